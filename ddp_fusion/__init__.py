@@ -1,0 +1,20 @@
+"""ddp_fusion: DDP gradient all-reduce fusion for ``torch.compile``.
+
+    import ddp_fusion
+    ddp_fusion.config.enabled = True          # or DDP_FUSION=1; before torch.compile
+    model = torch.compile(ddp_fusion.DistributedDataParallel(net))
+
+See README.md and DESIGN.md.
+"""
+
+from . import config as _config_module
+from ._install import _on_change
+from .config import config
+from .ddp import DistributedDataParallel, all_reduce_gradient
+from . import passes
+
+__all__ = ["DistributedDataParallel", "all_reduce_gradient", "config", "passes"]
+
+_config_module.on_change(_on_change)
+for _name, _value in _config_module.from_env().items():
+    setattr(config, _name, _value)  # DDP_FUSION=1 installs the pass here

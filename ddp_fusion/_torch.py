@@ -1,0 +1,98 @@
+"""The one place where ddp_fusion touches private torch APIs.
+
+Everything here is underscore-prefixed upstream and has moved between releases. A torch
+upgrade that breaks ddp_fusion should break in this file only. Supported: torch 2.11, 2.13.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+c10d_functional = torch.ops._c10d_functional
+
+#: DDP's default size of the first (latency-sensitive) bucket, in bytes.
+DEFAULT_FIRST_BUCKET_BYTES: int = dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def counters() -> dict[str, Any]:
+    """``torch._dynamo.utils.counters``: a ``defaultdict(Counter)`` shared with Dynamo."""
+    from torch._dynamo.utils import counters as _counters
+
+    return _counters
+
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup | None:
+    """The process group registered under ``group_name`` in this process, or None."""
+    try:
+        return torch._C._distributed_c10d._resolve_process_group(group_name)
+    except (RuntimeError, ValueError):
+        return None
+
+
+def compute_bucket_assignment_by_size(
+    tensors: list[torch.Tensor], limits: list[int], tensor_indices: list[int]
+) -> list[list[int]]:
+    """Eager DDP's own C++ bucketing, used by tests as the reference for our planner."""
+    indices, _ = dist._compute_bucket_assignment_by_size(
+        tensors, limits, [False] * len(tensors), tensor_indices
+    )
+    return [list(b) for b in indices]
+
+
+def detect_fake_mode(values: Any) -> Any:
+    from torch._guards import detect_fake_mode as _detect
+
+    return _detect(values)
+
+
+def stable_topological_sort(graph: torch.fx.Graph) -> None:
+    """Re-sort ``graph`` so every node follows its inputs, moving as few nodes as
+    possible (nodes that are already in order keep it)."""
+    from torch._inductor.pattern_matcher import stable_topological_sort as _sort
+
+    _sort(graph)
+
+
+def enable_compiled_autograd(compiler_fn: Callable[..., Any]) -> AbstractContextManager[None]:
+    """Compiled autograd for every ``backward()`` while the returned context is open."""
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd._enable(compiler_fn)
+
+
+def compiled_autograd_active() -> bool:
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.compiled_autograd_enabled)
+
+
+def hash_files(paths: tuple[str, ...], extra: str) -> bytes:
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    return get_hash_for_files(paths, extra)
+
+
+def inductor_config() -> Any:
+    import torch._inductor.config as inductor_config
+
+    return inductor_config
+
+
+def custom_graph_pass_base() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def fake_store() -> Any:
+    """A store for ``backend="fake"`` process groups (graph tests, examples)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+

@@ -1,0 +1,191 @@
+"""``ddp_fusion.DistributedDataParallel``: DDP as per-parameter hooks the compiler can see.
+
+Eager torch DDP reduces gradients from a C++ reducer that compiled autograd cannot
+trace, so under ``torch.compile`` it either breaks the graph at every bucket
+(DDPOptimizer) or is swapped for upstream's Python reducer. This wrapper has no reducer
+at all: each parameter gets a post-accumulate-grad hook that calls the tagged
+``ddp_fusion::all_reduce_gradient`` op and copies the result into ``.grad``. Compiled
+autograd traces those hooks into the backward graph, where the pass buckets and fuses
+them exactly as eager DDP would have.
+
+Not supported (yet): ``find_unused_parameters``, ``broadcast_buffers`` on every forward
+(buffers are broadcast once, at construction), ``gradient_as_bucket_view``, comm hooks,
+sparse gradients, ``static_graph``. Parameters of a DDP module must all live on one
+kind of device per process, as with torch DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .ops import ALL_REDUCE_GRADIENT, REDUCE_OPS
+from .passes.bucketing import ddp_bucket_limits
+
+__all__ = ["DistributedDataParallel", "all_reduce_gradient"]
+
+
+def all_reduce_gradient(
+    grad: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    reduce_op: str = "avg",
+    bucket_cap_mb: float | None = None,
+    bucket_cap_mb_list: Sequence[float] | None = None,
+    name: str = "",
+) -> torch.Tensor:
+    """All-reduce one gradient over ``group`` (default: the world), tagged for fusion.
+
+    ``reduce_op="avg"`` (the default, DDP's) divides by the group size before summing;
+    ``"sum"`` only sums. The bucket arguments mean what they mean for
+    :class:`torch.nn.parallel.DistributedDataParallel`; gradients reduced with the same
+    group, dtype, device, reduce op and bucket arguments are bucketed together by the
+    pass. ``name`` (a parameter's name, say) labels the gradient in dumps. Returns a new
+    tensor; ``grad`` is not modified.
+    """
+    if not isinstance(grad, torch.Tensor):
+        raise TypeError(f"all_reduce_gradient: grad must be a Tensor, got {type(grad).__name__}")
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(
+            f"all_reduce_gradient: reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}"
+        )
+    group = _default_group(group, "all_reduce_gradient")
+    limits = ddp_bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
+    return ALL_REDUCE_GRADIENT(grad, group.group_name, reduce_op, limits, name)
+
+
+class _SyncState:
+    """What the hooks read; kept off the module so hooks hold no reference to it."""
+
+    def __init__(self) -> None:
+        self.require_backward_grad_sync = True
+
+
+def _make_hook(state: _SyncState, group_name: str, limits: list[int], name: str):
+    def reduce_grad(param: torch.Tensor) -> None:
+        if not state.require_backward_grad_sync or param.grad is None:
+            return
+        param.grad.copy_(ALL_REDUCE_GRADIENT(param.grad, group_name, "avg", limits, name))
+
+    return reduce_grad
+
+
+class DistributedDataParallel(nn.Module):
+    """Drop-in for :class:`torch.nn.parallel.DistributedDataParallel`.
+
+    Same meaning for ``process_group``, ``bucket_cap_mb`` and ``bucket_cap_mb_list``:
+    with ``ddp_fusion.config.enabled`` and ``torch.compile``, gradients are reduced in
+    the buckets eager DDP would build (after its first-iteration rebuild). Parameters
+    and buffers are broadcast from the group's rank 0 at construction. ``.module`` is
+    the wrapped module; ``no_sync()`` skips gradient reduction inside its block.
+    Without ``torch.compile`` (or with the pass off) each gradient is reduced on its
+    own, as soon as it is accumulated: correct, but one blocking collective per
+    parameter.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+            raise ValueError(
+                f"module is already wrapped in {type(module).__module__}."
+                f"{type(module).__name__}; wrap the inner module once"
+            )
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group must be a torch.distributed.ProcessGroup or None, "
+                f"got {type(process_group).__name__}"
+            )
+        self.module = module
+        self.process_group = _default_group(process_group, "DistributedDataParallel")
+        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb_list = None if bucket_cap_mb_list is None else list(bucket_cap_mb_list)
+        self.bucket_bytes_limits = ddp_bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
+
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("DistributedDataParallel: module has no parameter that requires grad")
+        for n, p in params:
+            if p.layout != torch.strided or not (p.is_floating_point() or p.is_complex()):
+                raise ValueError(
+                    f"DistributedDataParallel: parameter {n!r} is {p.dtype} with layout "
+                    f"{p.layout}; only dense floating-point parameters are supported"
+                )
+        devices = {p.device.type for _, p in params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"DistributedDataParallel: parameters span device types {sorted(devices)}; "
+                "put the module on one device per process"
+            )
+
+        _broadcast_from_rank0(
+            [p.detach() for p in module.parameters()] + [b.detach() for b in module.buffers()],
+            self.process_group,
+        )
+        self._state = _SyncState()
+        group_name = self.process_group.group_name
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(
+                _make_hook(self._state, group_name, self.bucket_bytes_limits, n)
+            )
+            for n, p in params
+        ]
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self._state.require_backward_grad_sync
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside the block; the first
+        backward after it reduces the accumulated gradients."""
+        previous = self._state.require_backward_grad_sync
+        self._state.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self._state.require_backward_grad_sync = previous
+
+
+def _default_group(group: dist.ProcessGroup | None, who: str) -> dist.ProcessGroup:
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{who}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() first or pass a process group"
+        )
+    return dist.group.WORLD
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Make every rank's ``tensors`` equal to the group's rank 0's: one broadcast per
+    (dtype, device)."""
+    if group.size() == 1 or not tensors:
+        return
+    src = dist.get_global_rank(group, 0)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_kind[(t.dtype, t.device)].append(t)
+    for same in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
+        for t, part in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(part.view_as(t))

@@ -1,0 +1,51 @@
+"""The tagged per-gradient all-reduce: ``torch.ops.ddp_fusion.all_reduce_gradient``.
+
+The tag *is* the op. Compiled autograd traces each hook's call to it, AOTAutograd keeps it
+as an opaque node, and the post-grad pass finds exactly these nodes by target. Nothing
+is inferred from the graph around them, so a world size of 1, a gradient that is already
+scaled, or a tensor-parallel ``all_reduce`` in the same graph changes nothing.
+
+Run eagerly (no compile, or compiled with the pass off) the op is a plain blocking
+``all_reduce`` of one gradient: correct, one collective per gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _torch
+
+REDUCE_OPS = ("avg", "sum")
+"""``avg``: divide by the group size, then sum (DDP's mean). ``sum``: sum only."""
+
+
+@torch.library.custom_op("ddp_fusion::all_reduce_gradient", mutates_args=())
+def _all_reduce_gradient(
+    grad: torch.Tensor,
+    group_name: str,
+    reduce_op: str,
+    bucket_limits: Sequence[int],
+    name: str,
+) -> torch.Tensor:
+    # bucket_limits and name are for the pass (bucket plan, dumps); unused here.
+    group = _torch.resolve_process_group(group_name)
+    if group is None:
+        raise RuntimeError(
+            f"ddp_fusion.all_reduce_gradient: process group {group_name!r} is not "
+            "registered in this process"
+        )
+    out = grad / group.size() if reduce_op == "avg" else grad.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+@_all_reduce_gradient.register_fake
+def _(grad, group_name, reduce_op, bucket_limits, name):
+    return torch.empty_like(grad)
+
+
+ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
+

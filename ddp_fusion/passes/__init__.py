@@ -1,0 +1,148 @@
+"""The ddp_fusion post-grad passes, and the driver that runs them in order.
+
+    collectives.py  find ``ddp_fusion::all_reduce_gradient`` nodes (the tag)
+    bucketing.py    plan buckets per (group, dtype, device, reduce op, limits), DDP's rule
+    concat.py       rewrite a bucket as cat + div + all_reduce + split
+    coalesced.py    rewrite a bucket as _foreach_div + all_reduce_coalesced
+    schedule.py     move each bucket's wait to just before its first reader
+
+Invariants every step keeps, checked by ``graph.lint()`` at the end:
+
+* every new node has ``meta["val"]`` (a fake tensor, or a list of them);
+* the graph stays functional: nothing is mutated that was not mutated before, and no
+  new node aliases a graph input or output;
+* only tagged all-reduces are touched: other collectives keep their place and order
+  relative to their inputs and users;
+* the plan is a function of the graph alone, so every rank reaches the same plan.
+
+Cost is linear in the number of nodes: one walk to find, one to plan, one re-sort, one
+to place waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import torch.fx
+
+from .. import _torch, dump
+from ..config import config
+from .bucketing import Bucket, plan_buckets
+from .coalesced import fuse_coalesced
+from .collectives import GradAllReduce, Unfused, find_gradient_all_reduces
+from .concat import fuse_concat
+from .schedule import sink_waits
+
+__all__ = ["FusionResult", "fuse_ddp_allreduces"]
+
+log = logging.getLogger("ddp_fusion")
+
+_FUSERS = {"concat": fuse_concat, "coalesced": fuse_coalesced}
+_warned: set[str] = set()
+
+
+@dataclasses.dataclass
+class FusionResult:
+    algorithm: str
+    buckets: list[Bucket]
+    unfused: list[Unfused]
+    dump_stem: str | None = None
+
+    def plan(self) -> dict[str, Any]:
+        """The bucket plan in the JSON form written to ``<stem>.buckets.json``."""
+        return {
+            "algorithm": self.algorithm,
+            "buckets": [
+                {
+                    "group": b.key.group_name,
+                    "dtype": str(b.key.dtype).removeprefix("torch."),
+                    "device": str(b.key.device),
+                    "reduce_op": b.key.reduce_op,
+                    "bytes": b.nbytes,
+                    "num_grads": len(b.grads),
+                    "grads": [g.label for g in b.grads],
+                    **({"cut": b.cut_reason} if b.cut_reason else {}),
+                }
+                for b in self.buckets
+            ],
+            "unfused": [{"node": u.node.name, "reason": u.reason} for u in self.unfused],
+        }
+
+
+def fuse_ddp_allreduces(
+    graph: torch.fx.Graph,
+    *,
+    algorithm: str | None = None,
+    schedule_waits: bool | None = None,
+    dump_dir: str | None = None,
+) -> FusionResult:
+    """Bucket and fuse the tagged gradient all-reduces of a post-grad ``graph`` in place.
+
+    Arguments left as None come from ``ddp_fusion.config``. Returns what was done.
+    """
+    algorithm = config.algorithm if algorithm is None else algorithm
+    if algorithm not in _FUSERS:
+        raise ValueError(f"algorithm must be one of {sorted(_FUSERS)}, got {algorithm!r}")
+    schedule_waits = config.schedule_waits if schedule_waits is None else schedule_waits
+    dump_dir = config.dump_dir if dump_dir is None else dump_dir
+
+    grads, unfused = find_gradient_all_reduces(graph)
+    result = FusionResult(algorithm, [], unfused)
+    _report_unfused(unfused)
+    if not grads:
+        return result
+    before = dump.graph_code(graph) if dump_dir else ""
+
+    result.buckets = plan_buckets(graph, grads)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    fuse = _FUSERS[algorithm]
+    fused = []
+    for bucket in result.buckets:
+        last_grad = max((g.grad for g in bucket.grads), key=order.__getitem__)
+        fb = fuse(graph, bucket, last_grad)
+        for g, out in zip(bucket.grads, fb.outputs):
+            _replace(graph, g, out)
+        fused.append(fb)
+    # A reader of an early gradient in a bucket may sit before the bucket's collective
+    # (never in a compiled backward, where readers are the final copy_ into .grad, but
+    # possible in hand-written graphs); move such readers after it.
+    _torch.stable_topological_sort(graph)
+    if schedule_waits:
+        sink_waits(graph, fused)
+    graph.lint()
+
+    _record(result)
+    if dump_dir:
+        result.dump_stem = dump.write(dump_dir, before, dump.graph_code(graph), result.plan())
+    return result
+
+
+def _replace(graph: torch.fx.Graph, grad: GradAllReduce, out: torch.fx.Node) -> None:
+    grad.node.replace_all_uses_with(out)
+    graph.erase_node(grad.node)
+
+
+def _report_unfused(unfused: list[Unfused]) -> None:
+    counters = _torch.counters()["ddp_fusion"]
+    for u in unfused:
+        counters["unfused"] += 1
+        counters[f"unfused: {u.reason}"] += 1
+        if u.reason not in _warned:
+            _warned.add(u.reason)
+            log.warning(
+                "ddp_fusion: left %s unfused (it runs as one blocking all-reduce): %s",
+                u.node.name,
+                u.reason,
+            )
+
+
+def _record(result: FusionResult) -> None:
+    counters = _torch.counters()["ddp_fusion"]
+    counters["graphs"] += 1
+    counters["buckets"] += len(result.buckets)
+    counters["fused_all_reduces"] += sum(len(b.grads) for b in result.buckets)
+    if log.isEnabledFor(logging.INFO):
+        log.info("ddp_fusion bucket plan: %s", json.dumps(result.plan()))

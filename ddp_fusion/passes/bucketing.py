@@ -1,0 +1,126 @@
+"""Bucket planning: which tagged gradient all-reduces share one collective.
+
+The rule is eager DDP's, after its first-iteration rebuild (``Reducer::rebuild_buckets``
+calling ``compute_bucket_assignment_by_size`` on the gradients in ready order):
+
+* gradients are split by key (process group, dtype, device, reduce op, bucket limits);
+* within a key, in the order the all-reduces appear in the graph (backward-ready order),
+  gradients join the open bucket; a bucket closes as soon as its bytes reach the
+  current limit, and then the next limit in the list applies (the last one repeats);
+* whatever is left open at the end forms a last, smaller bucket.
+
+The limits are DDP's: default ``[1 MiB, 25 MiB]`` (a small first bucket so the last
+gradients of backward do not wait behind a big one), ``bucket_cap_mb=c`` gives ``[c]``,
+``bucket_cap_mb_list=[a, b, ...]`` gives ``[a, b, ...]`` (all in MiB).
+
+One case eager DDP never meets: in a hand-built graph a gradient may be computed from an
+earlier gradient's *reduced* value. Both cannot share a collective, so the bucket is cut
+before the dependent gradient (and the cut is logged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch.fx
+
+from .. import _torch
+from .collectives import BucketKey, GradAllReduce
+
+MiB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25
+
+
+def ddp_bucket_limits(
+    bucket_cap_mb: float | None = None, bucket_cap_mb_list: Sequence[float] | None = None
+) -> list[int]:
+    """Bucket byte limits, in order, that eager torch DDP uses for these arguments."""
+    if bucket_cap_mb_list is not None:
+        if isinstance(bucket_cap_mb_list, (str, bytes)) or not isinstance(
+            bucket_cap_mb_list, Sequence
+        ):
+            raise ValueError(
+                f"bucket_cap_mb_list must be a list of sizes in MiB, got {bucket_cap_mb_list!r}"
+            )
+        if len(bucket_cap_mb_list) == 0:
+            raise ValueError("bucket_cap_mb_list must not be empty")
+        return [_cap_bytes(f"bucket_cap_mb_list[{i}]", c) for i, c in enumerate(bucket_cap_mb_list)]
+    if bucket_cap_mb is not None:
+        return [_cap_bytes("bucket_cap_mb", bucket_cap_mb)]
+    return [_torch.DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MiB]
+
+
+def _cap_bytes(setting: str, cap_mb: object) -> int:
+    if (
+        isinstance(cap_mb, bool)
+        or not isinstance(cap_mb, numbers.Real)
+        or not math.isfinite(cap_mb)
+        or cap_mb < 0
+    ):
+        raise ValueError(f"{setting} must be a non-negative number of MiB, got {cap_mb!r}")
+    return int(cap_mb * MiB)
+
+
+@dataclasses.dataclass
+class Bucket:
+    key: BucketKey
+    grads: list[GradAllReduce]
+    cut_reason: str | None = None
+    """Why this bucket closed early (the next gradient of its key depends on it)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.grads)
+
+
+def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Bucket]:
+    """Buckets in the order they close (so, the order their collectives are issued).
+
+    One walk over the graph; the only state beyond the open buckets is, for nodes that
+    depend on a gradient in a still-open bucket, which open buckets they depend on (in a
+    compiled backward that is just the final ``copy_`` into ``.grad``).
+    """
+    by_node = {g.node: g for g in grads}
+    limit_index: dict[BucketKey, int] = {}
+    open_buckets: dict[BucketKey, Bucket] = {}
+    closed: list[Bucket] = []
+    # node -> ids of open buckets whose reduced gradients it (transitively) reads.
+    depends_on: dict[torch.fx.Node, set[int]] = {}
+
+    def close(bucket: Bucket) -> None:
+        del open_buckets[bucket.key]
+        closed.append(bucket)
+        limits = bucket.key.limits
+        limit_index[bucket.key] = min(limit_index.get(bucket.key, 0) + 1, len(limits) - 1)
+
+    for node in graph.nodes:
+        deps: set[int] = set()
+        for inp in node.all_input_nodes:
+            for bucket_id in depends_on.get(inp, ()):
+                deps.add(bucket_id)
+        grad = by_node.get(node)
+        if grad is not None:
+            bucket = open_buckets.get(grad.key)
+            if bucket is not None and id(bucket) in deps:
+                bucket.cut_reason = (
+                    f"gradient {grad.label} is computed from the reduced value of an "
+                    "earlier gradient in the same bucket"
+                )
+                close(bucket)
+                bucket = None
+            if bucket is None:
+                bucket = open_buckets[grad.key] = Bucket(grad.key, [])
+            bucket.grads.append(grad)
+            deps.add(id(bucket))
+            if bucket.nbytes >= grad.key.limits[limit_index.get(grad.key, 0)]:
+                close(bucket)
+        if deps:
+            live = {id(b) for b in open_buckets.values()}
+            deps &= live
+            if deps:
+                depends_on[node] = deps
+    closed.extend(open_buckets.values())
+    return closed

@@ -1,0 +1,105 @@
+"""Find the tagged gradient all-reduces (``ddp_fusion::all_reduce_gradient``) in a graph.
+
+Only nodes whose target is that op are candidates; every other collective (tensor
+parallel, user code, upstream DDP's) is invisible to ddp_fusion. A candidate the pass
+cannot bucket is reported with a reason and left as it is: it still runs, as one
+blocking all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from .. import _torch
+from ..ops import ALL_REDUCE_GRADIENT
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketKey:
+    """Gradients with equal keys may share a bucket; different keys never do."""
+
+    group_name: str
+    dtype: torch.dtype
+    device: torch.device
+    reduce_op: str
+    limits: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class GradAllReduce:
+    node: torch.fx.Node  # the ddp_fusion::all_reduce_gradient call
+    grad: torch.fx.Node  # its input: the local gradient
+    key: BucketKey
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+    name: str  # parameter name given by the hook, may be ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.node.name
+
+
+@dataclasses.dataclass
+class Unfused:
+    node: torch.fx.Node
+    reason: str
+
+
+def is_gradient_all_reduce(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is ALL_REDUCE_GRADIENT
+
+
+def find_gradient_all_reduces(
+    graph: torch.fx.Graph,
+) -> tuple[list[GradAllReduce], list[Unfused]]:
+    """Tagged all-reduces in graph order, and the ones that cannot be bucketed."""
+    found: list[GradAllReduce] = []
+    unfused: list[Unfused] = []
+    group_sizes: dict[str, int | None] = {}
+    for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=True):
+        grad, group_name, reduce_op, limits, name = _args(node)
+        val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
+        reason = None
+        if not isinstance(val, torch.Tensor):
+            reason = "the gradient has no tensor metadata (meta['val'])"
+        elif val.layout != torch.strided:
+            reason = f"the gradient's layout is {val.layout}; only dense (strided) gradients fuse"
+        elif not all(isinstance(s, int) for s in val.shape):
+            reason = "the gradient has a symbolic shape; bucket sizes must be static"
+        else:
+            if group_name not in group_sizes:
+                group = _torch.resolve_process_group(group_name)
+                group_sizes[group_name] = None if group is None else group.size()
+            if group_sizes[group_name] is None:
+                reason = f"process group {group_name!r} is not registered in this process"
+        if reason is not None:
+            unfused.append(Unfused(node, reason))
+            continue
+        found.append(
+            GradAllReduce(
+                node=node,
+                grad=grad,
+                key=BucketKey(group_name, val.dtype, val.device, reduce_op, tuple(limits)),
+                shape=tuple(val.shape),
+                numel=val.numel(),
+                nbytes=val.numel() * val.element_size(),
+                name=name,
+            )
+        )
+    return found, unfused
+
+
+def group_size(group_name: str) -> int:
+    group = _torch.resolve_process_group(group_name)
+    assert group is not None, group_name  # checked by find_gradient_all_reduces
+    return group.size()
+
+
+def _args(node: torch.fx.Node) -> tuple:
+    schema_args = ("grad", "group_name", "reduce_op", "bucket_limits", "name")
+    values = list(node.args) + [node.kwargs[a] for a in schema_args[len(node.args) :]]
+    return tuple(values)
