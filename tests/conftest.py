@@ -1,0 +1,15 @@
+"""Shared fixtures: a fake process group of 2 ranks for one-process graph tests."""
+
+import pytest
+import torch.distributed as dist
+
+from ddp_fusion import _torch
+
+
+@pytest.fixture(scope="session")
+def fake_pg():
+    """The default process group: ``backend="fake"``, rank 0 of 2. Collectives do no
+    communication (an all-reduce returns its input unchanged)."""
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=_torch.fake_store(), rank=0, world_size=2)
+    yield dist.group.WORLD

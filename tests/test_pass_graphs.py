@@ -1,0 +1,259 @@
+"""Graph tests of the fusion pass on make_fx graphs (one process, fake process group).
+
+What they pin down: the readable graph each algorithm produces; that only tagged
+all-reduces are touched; that a world size of 1 and ``reduce_op="sum"`` still fuse;
+that a gradient computed from an earlier reduced gradient gets its own bucket; that the
+rewritten graph computes what the original computed; and the dump files.
+"""
+
+import json
+import operator
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing import FileCheck
+
+import ddp_fusion
+from ddp_fusion.passes import fuse_ddp_allreduces
+
+ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
+C10D = torch.ops._c10d_functional
+
+
+def small_backward(x, w1, w2):
+    """Two layers' weight gradients, the second ready first, with compute between."""
+    h = x @ w1
+    g2 = h.t() @ x
+    r2 = ddp_fusion.all_reduce_gradient(g2, name="w2")
+    g1 = (h * 2).sum(0)
+    r1 = ddp_fusion.all_reduce_gradient(g1, name="w1")
+    return r1, r2
+
+
+def inputs():
+    torch.manual_seed(0)
+    return torch.randn(4, 3), torch.randn(3, 5), torch.randn(5, 3)
+
+
+def trace(fn, *args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def fuse(gm, **kwargs):
+    result = fuse_ddp_allreduces(gm.graph, **kwargs)
+    gm.graph.lint()
+    gm.recompile()
+    return result
+
+
+@pytest.mark.usefixtures("fake_pg")
+class TestReadableGraphs(expecttest.TestCase):
+    def test_concat(self):
+        gm = trace(small_backward, *inputs())
+        fuse(gm, algorithm="concat")
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, x_1, w1_1, w2_1):
+    mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
+    t = torch.ops.aten.t.default(mm)
+    mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
+    mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
+    reshape_default = torch.ops.aten.reshape.default(mm_1, [-1]);  mm_1 = None
+    reshape_default_1 = torch.ops.aten.reshape.default(sum_1, [-1]);  sum_1 = None
+    cat_default = torch.ops.aten.cat.default([reshape_default, reshape_default_1]);  reshape_default = reshape_default_1 = None
+    div_tensor = torch.ops.aten.div.Tensor(cat_default, 2);  cat_default = None
+    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(div_tensor, 'sum', '0');  div_tensor = None
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
+    split_with_sizes_default = torch.ops.aten.split_with_sizes.default(wait_tensor_default, [15, 5]);  wait_tensor_default = None
+    getitem = split_with_sizes_default[0]
+    view_default = torch.ops.aten.view.default(getitem, [5, 3]);  getitem = None
+    getitem_1 = split_with_sizes_default[1];  split_with_sizes_default = None
+    view_default_1 = torch.ops.aten.view.default(getitem_1, [5]);  getitem_1 = None
+    return (view_default_1, view_default)""")
+
+    def test_coalesced(self):
+        gm = trace(small_backward, *inputs())
+        fuse(gm, algorithm="coalesced")
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, x_1, w1_1, w2_1):
+    mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
+    t = torch.ops.aten.t.default(mm)
+    mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
+    mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
+    _foreach_div_scalar = torch.ops.aten._foreach_div.Scalar([mm_1, sum_1], 2);  mm_1 = sum_1 = None
+    all_reduce_coalesced_default = torch.ops._c10d_functional.all_reduce_coalesced.default(_foreach_div_scalar, 'sum', '0');  _foreach_div_scalar = None
+    getitem = all_reduce_coalesced_default[0]
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(getitem);  getitem = None
+    getitem_1 = all_reduce_coalesced_default[1];  all_reduce_coalesced_default = None
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(getitem_1);  getitem_1 = None
+    return (wait_tensor_default_1, wait_tensor_default)""")
+
+    def test_without_wait_scheduling_wait_follows_collective(self):
+        def fn(x, w):
+            r = ddp_fusion.all_reduce_gradient(x * 3)
+            return r, (w * 2).sum()
+
+        gm = trace(fn, torch.randn(4), torch.randn(4))
+        fuse(gm, algorithm="concat", schedule_waits=False)
+        FileCheck().check("all_reduce.default").check_next("wait_tensor").run(gm.code)
+        gm = trace(fn, torch.randn(4), torch.randn(4))
+        fuse(gm, algorithm="concat", schedule_waits=True)
+        FileCheck().check("all_reduce.default").check("mul_1").check("wait_tensor").run(gm.code)
+
+
+@pytest.mark.usefixtures("fake_pg")
+class TestWhatIsFused:
+    @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+    def test_same_values_as_unfused(self, algorithm):
+        gm = trace(small_backward, *inputs())
+        fuse(gm, algorithm=algorithm)
+        args = inputs()
+        for got, want in zip(gm(*args), small_backward(*args)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    def test_untagged_all_reduce_untouched(self, fake_pg):
+        """A tensor-parallel style functional all-reduce between two gradients stays
+        exactly where it was, and the two gradients still form one bucket."""
+
+        def fn(a, b, act):
+            ra = ddp_fusion.all_reduce_gradient(a * 2)
+            tp = fcol.all_reduce(act, "sum", fake_pg)
+            rb = ddp_fusion.all_reduce_gradient(b + tp)
+            return ra, rb
+
+        gm = trace(fn, torch.randn(3), torch.randn(3), torch.randn(3))
+        before = [n for n in gm.graph.nodes if n.target is C10D.all_reduce.default]
+        assert len(before) == 1
+        tp_args = before[0].args
+        result = fuse(gm, algorithm="concat")
+        assert [len(b.grads) for b in result.buckets] == [2]
+        after = [n for n in gm.graph.nodes if n.target is C10D.all_reduce.default]
+        assert len(after) == 2 and after[0] is before[0] and after[0].args == tp_args
+        assert not list(gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT))
+
+    def test_plain_functional_all_reduce_is_never_fused(self, fake_pg):
+        """Even one that looks exactly like upstream DDP's (div then all_reduce)."""
+
+        def fn(a, b):
+            return (
+                fcol.all_reduce(a / 2, "sum", fake_pg),
+                fcol.all_reduce(b / 2, "sum", fake_pg),
+            )
+
+        gm = trace(fn, torch.randn(3), torch.randn(3))
+        code = gm.code
+        result = fuse(gm)
+        assert result.buckets == [] and gm.code == code
+
+    def test_world_size_one_and_sum_still_fuse(self, fake_pg):
+        single = dist.new_group(ranks=[0])
+
+        def fn(a, b):
+            return (
+                ddp_fusion.all_reduce_gradient(a, single, reduce_op="sum"),
+                ddp_fusion.all_reduce_gradient(b, single, reduce_op="sum"),
+            )
+
+        gm = trace(fn, torch.randn(3), torch.randn(2, 2))
+        result = fuse(gm, algorithm="concat")
+        assert [len(b.grads) for b in result.buckets] == [2]
+        # reduce_op "sum": no scaling at all
+        assert not list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.div.Tensor))
+        a, b = torch.randn(3), torch.randn(2, 2)
+        torch.testing.assert_close(gm(a, b), (a, b))
+
+    def test_groups_dtypes_and_reduce_ops_are_separate_buckets(self, fake_pg):
+        other = dist.new_group(ranks=[0, 1])
+
+        def fn(a, b, c, d, e):
+            return (
+                ddp_fusion.all_reduce_gradient(a),
+                ddp_fusion.all_reduce_gradient(b.to(torch.bfloat16)),
+                ddp_fusion.all_reduce_gradient(c, other),
+                ddp_fusion.all_reduce_gradient(d, reduce_op="sum"),
+                ddp_fusion.all_reduce_gradient(e),
+            )
+
+        gm = trace(fn, *[torch.randn(4) for _ in range(5)])
+        result = fuse(gm, algorithm="coalesced")
+        plan = result.plan()["buckets"]
+        keys = sorted((b["group"], b["dtype"], b["reduce_op"], b["num_grads"]) for b in plan)
+        g0, g1 = dist.group.WORLD.group_name, other.group_name
+        assert keys == sorted(
+            [(g0, "float32", "avg", 2), (g0, "bfloat16", "avg", 1),
+             (g1, "float32", "avg", 1), (g0, "float32", "sum", 1)]
+        )
+        coalesced = gm.graph.find_nodes(
+            op="call_function", target=C10D.all_reduce_coalesced.default
+        )
+        assert len(coalesced) == 4
+
+    def test_dependent_gradient_cuts_the_bucket(self):
+        """b is computed from a's *reduced* value: one collective cannot carry both."""
+
+        def fn(a):
+            ra = ddp_fusion.all_reduce_gradient(a * 2, name="a")
+            rb = ddp_fusion.all_reduce_gradient(ra + 1, name="b")
+            return ra, rb
+
+        gm = trace(fn, torch.randn(3))
+        result = fuse(gm, algorithm="concat")
+        assert [b.grads[0].name for b in result.buckets] == ["a", "b"]
+        assert "reduced value" in result.buckets[0].cut_reason
+        a = torch.randn(3)
+        torch.testing.assert_close(gm(a), fn(a))
+
+    def test_early_reader_moves_after_the_bucket(self):
+        """A reader of the first gradient's result placed before the second gradient
+        exists (possible in hand-written graphs) is moved after the fused collective."""
+
+        def fn(a, b):
+            ra = ddp_fusion.all_reduce_gradient(a)
+            early = ra * 10
+            rb = ddp_fusion.all_reduce_gradient(b * 3)
+            return early, rb
+
+        gm = trace(fn, torch.randn(3), torch.randn(3))
+        result = fuse(gm, algorithm="concat")
+        assert [len(b.grads) for b in result.buckets] == [1 + 1]
+        FileCheck().check("all_reduce.default").check("wait_tensor").check("mul.Tensor(").run(
+            gm.code.split("mul_1")[-1]
+        )
+        a, b = torch.randn(3), torch.randn(3)
+        torch.testing.assert_close(gm(a, b), fn(a, b))
+
+    def test_no_tagged_all_reduce_leaves_graph_alone(self):
+        gm = trace(lambda x: x * 2, torch.randn(3))
+        code = gm.code
+        assert fuse(gm).buckets == [] and gm.code == code
+
+    def test_new_nodes_have_fake_values(self):
+        gm = trace(small_backward, *inputs())
+        fuse(gm, algorithm="concat")
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                assert "val" in node.meta, node
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_dumps(tmp_path):
+    gm = trace(small_backward, *inputs())
+    result = fuse(gm, algorithm="coalesced", dump_dir=str(tmp_path))
+    stem = result.dump_stem
+    before = open(stem + ".before.txt").read()
+    after = open(stem + ".after.txt").read()
+    assert "ddp_fusion.all_reduce_gradient" in before and "all_reduce_coalesced" in after
+    plan = json.load(open(stem + ".buckets.json"))
+    assert plan == {
+        "algorithm": "coalesced",
+        "buckets": [
+            {"group": dist.group.WORLD.group_name, "dtype": "float32", "device": "cpu",
+             "reduce_op": "avg", "bytes": 80, "num_grads": 2, "grads": ["w2", "w1"]}
+        ],
+        "unfused": [],
+    }
