@@ -4,8 +4,8 @@ The rule is eager DDP's, after its first-iteration rebuild (``Reducer::rebuild_b
 calling ``compute_bucket_assignment_by_size`` on the gradients in ready order):
 
 * gradients are split by key (process group, dtype, device, reduce op, bucket limits);
-* within a key, in the order the all-reduces appear in the graph (backward-ready order),
-  gradients join the open bucket; a bucket closes as soon as its bytes reach the
+* within a key, in the order the gradients are computed in the graph (backward-ready
+  order), gradients join the open bucket; a bucket closes as soon as its bytes reach the
   current limit, and then the next limit in the list applies (the last one repeats);
 * whatever is left open at the end forms a last, smaller bucket.
 
@@ -79,11 +79,18 @@ class Bucket:
 def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Bucket]:
     """Buckets in the order they close (so, the order their collectives are issued).
 
+    A gradient is *ready* where its value is computed: the position of the all-reduce's
+    input, not of the all-reduce (Inductor may sink an all-reduce whose only reader is
+    the graph output, as in the first step's backward, where ``.grad`` is still None).
+
     One walk over the graph; the only state beyond the open buckets is, for nodes that
     depend on a gradient in a still-open bucket, which open buckets they depend on (in a
     compiled backward that is just the final ``copy_`` into ``.grad``).
     """
-    by_node = {g.node: g for g in grads}
+    ready_at: dict[torch.fx.Node, list[GradAllReduce]] = {}
+    for g in grads:
+        ready_at.setdefault(g.grad, []).append(g)
+    bucket_of: dict[torch.fx.Node, Bucket] = {}
     limit_index: dict[BucketKey, int] = {}
     open_buckets: dict[BucketKey, Bucket] = {}
     closed: list[Bucket] = []
@@ -93,16 +100,14 @@ def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Buck
     def close(bucket: Bucket) -> None:
         del open_buckets[bucket.key]
         closed.append(bucket)
-        limits = bucket.key.limits
-        limit_index[bucket.key] = min(limit_index.get(bucket.key, 0) + 1, len(limits) - 1)
+        last = len(bucket.key.limits) - 1
+        limit_index[bucket.key] = min(limit_index.get(bucket.key, 0) + 1, last)
 
     for node in graph.nodes:
         deps: set[int] = set()
         for inp in node.all_input_nodes:
-            for bucket_id in depends_on.get(inp, ()):
-                deps.add(bucket_id)
-        grad = by_node.get(node)
-        if grad is not None:
+            deps.update(depends_on.get(inp, ()))
+        for grad in ready_at.get(node, ()):
             bucket = open_buckets.get(grad.key)
             if bucket is not None and id(bucket) in deps:
                 bucket.cut_reason = (
@@ -114,12 +119,13 @@ def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Buck
             if bucket is None:
                 bucket = open_buckets[grad.key] = Bucket(grad.key, [])
             bucket.grads.append(grad)
-            deps.add(id(bucket))
+            bucket_of[grad.node] = bucket
             if bucket.nbytes >= grad.key.limits[limit_index.get(grad.key, 0)]:
                 close(bucket)
+        if node in bucket_of:
+            deps.add(id(bucket_of[node]))
         if deps:
-            live = {id(b) for b in open_buckets.values()}
-            deps &= live
+            deps &= {id(b) for b in open_buckets.values()}
             if deps:
                 depends_on[node] = deps
     closed.extend(open_buckets.values())

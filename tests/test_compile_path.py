@@ -1,0 +1,109 @@
+"""The real torch.compile path in one process (fake process group): the config flag
+installs the pass and compiled autograd, the compiled backward carries one collective
+per bucket, gradients match the unfused run, and Inductor's FX graph cache is used.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import ddp_fusion
+from ddp_fusion import _install
+
+pytestmark = pytest.mark.usefixtures("fake_pg")
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 8),
+    )
+
+
+def grads_after_steps(enabled, steps=2, **config):
+    """Run ``steps`` compiled forward+backward passes; return the gradients."""
+    torch._dynamo.reset()
+    with ddp_fusion.config.patch(enabled=enabled, **config):
+        # cap 0.02 MiB (20971 B), gradients ready as 4.w 2 KiB, 4.b, 2.w 16 KiB, 2.b,
+        # 0.w 8 KiB, 0.b: buckets [4.w .. 0.w] (26912 B) and [0.b]
+        model = torch.compile(ddp_fusion.DistributedDataParallel(mlp(), bucket_cap_mb=0.02))
+        torch.manual_seed(1)
+        for _ in range(steps):
+            model(torch.randn(16, 32)).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def unfused_grads():
+    return grads_after_steps(enabled=False)
+
+
+@pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+def test_fused_backward_matches_unfused(unfused_grads, algorithm, tmp_path):
+    counters.clear()
+    fused = grads_after_steps(enabled=True, algorithm=algorithm, dump_dir=str(tmp_path))
+    for got, want in zip(fused, unfused_grads):
+        torch.testing.assert_close(got, want)
+    # one backward graph per step shape: first step (no .grad yet) and accumulation
+    assert counters["ddp_fusion"]["graphs"] == 2
+    assert counters["ddp_fusion"]["fused_all_reduces"] == 2 * 6
+    assert counters["ddp_fusion"]["buckets"] == 2 * 2
+    after = sorted(tmp_path.glob("*.after.txt"))[-1].read_text()
+    op = "all_reduce_coalesced.default" if algorithm == "coalesced" else "all_reduce.default"
+    assert after.count(op) == 2
+    assert "ddp_fusion.all_reduce_gradient" not in after
+
+
+def test_fx_graph_cache_miss_then_hit(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    counters.clear()
+    grads_after_steps(enabled=True, steps=1)
+    assert counters["ddp_fusion"]["graphs"] == 1  # the pass ran: a cache miss
+    assert counters["inductor"]["fxgraph_cache_miss"] >= 1
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    counters.clear()
+    grads_after_steps(enabled=True, steps=1)
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1
+    assert counters["ddp_fusion"]["graphs"] == 0  # served from the cache
+    counters.clear()
+    grads_after_steps(enabled=True, steps=1, algorithm="coalesced")
+    assert counters["ddp_fusion"]["graphs"] == 1  # the config is part of the key
+
+
+def test_uuid_covers_config():
+    with ddp_fusion.config.patch(algorithm="concat"):
+        a = _install.THE_PASS.uuid()
+    with ddp_fusion.config.patch(algorithm="coalesced"):
+        b = _install.THE_PASS.uuid()
+    with ddp_fusion.config.patch(schedule_waits=False):
+        c = _install.THE_PASS.uuid()
+    assert len({a, b, c}) == 3
+
+
+def test_enabled_installs_next_to_user_pass_and_restores_it():
+    import torch._inductor.config as inductor_config
+
+    calls = []
+
+    class UserPass(_install._CustomGraphPass):
+        def __call__(self, graph):
+            calls.append(graph)
+
+        def uuid(self):
+            return "user-pass"
+
+    user = UserPass()
+    saved = inductor_config.post_grad_custom_post_pass
+    inductor_config.post_grad_custom_post_pass = user
+    try:
+        with ddp_fusion.config.patch(enabled=True):
+            installed = inductor_config.post_grad_custom_post_pass
+            assert isinstance(installed, _install._Chain)
+            assert installed.passes == (user, _install.THE_PASS)
+            assert installed.uuid()[0] == "user-pass"
+            assert _install._torch.compiled_autograd_active()
+        assert inductor_config.post_grad_custom_post_pass is user
+        assert not _install._torch.compiled_autograd_active()
+    finally:
+        inductor_config.post_grad_custom_post_pass = saved
