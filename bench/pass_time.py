@@ -1,0 +1,267 @@
+"""How the time of the fusion pass grows with the number of gradients in a graph.
+
+Measures, for graphs of N gradients of 4 MB each (fp32, [1024, 1024]):
+
+* ours:     ``ddp_fusion.passes.fuse_ddp_allreduces(graph, algorithm=...)`` with
+            ``algorithm="concat"`` and ``"coalesced"`` (wait scheduling on, as configured
+            by default);
+* upstream: Inductor's ``torch._inductor.fx_passes.ddp_fusion.fuse_ddp_with_concat_op(
+            graph, 25)`` (its concat fusion alone, without its wait scheduling pass).
+
+Each graph looks like a backward: a chain of cheap compute (``dh = dh * 0.5``) with one
+gradient (``g = dh + i``) split off per step and all-reduced. For ours the all-reduce is
+``ddp_fusion.all_reduce_gradient``; for upstream it is the functional collective
+``all_reduce(g / 2, "sum", group)`` + ``wait_tensor`` that upstream's pass matches. Graphs
+are traced with ``make_fx(tracing_mode="fake")`` on a fake process group of 2 ranks.
+
+Only the pass call is timed (``time.perf_counter``); every measurement gets a freshly
+traced graph. The best of ``--repeats`` runs is kept, except that a run over 10 s is
+not repeated. The number of collectives left in the graph is reported so that one can
+see each pass really fused.
+
+    cd /work/main && python -m bench.pass_time                 # N = 100 ... 3200
+    python -m bench.pass_time --quick                          # N = 100, 200, 400
+    python -m bench.pass_time --sizes 100,1000 --skip-upstream-above 400
+
+Writes a table to stdout and ``bench/out/pass_time.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+from torch._guards import detect_fake_mode
+from torch._inductor.fx_passes.ddp_fusion import fuse_ddp_with_concat_op
+from torch._inductor.virtualized import V
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+import ddp_fusion
+from ddp_fusion.passes import fuse_ddp_allreduces
+
+SHAPE = (1024, 1024)  # 1M fp32 elements = 4 MB per gradient
+DEFAULT_SIZES = (100, 200, 400, 800, 1600, 3200)
+QUICK_SIZES = (100, 200, 400)
+UPSTREAM_BUCKET_MB = 25
+SLOW_S = 10.0  # a measurement slower than this is not repeated
+OUT_PATH = os.path.join(os.path.dirname(__file__), "out", "pass_time.json")
+
+C10D = torch.ops._c10d_functional
+COLLECTIVES = {
+    C10D.all_reduce.default,
+    C10D.all_reduce_.default,
+    C10D.all_reduce_coalesced.default,
+    C10D.all_reduce_coalesced_.default,
+    torch.ops.ddp_fusion.all_reduce_gradient.default,
+}
+
+
+# --- graphs ---------------------------------------------------------------------------
+
+
+def backward_like(n: int, reduce: Callable[[torch.Tensor, int], torch.Tensor]):
+    """A function of one input producing ``n`` gradients one after another, each
+    passed through ``reduce``; returns the reduced gradients."""
+
+    def fn(x):
+        dh, out = x, []
+        for i in range(n):
+            dh = dh * 0.5  # backward through a layer
+            g = dh + float(i)  # that layer's weight gradient
+            out.append(reduce(g, i))
+        return out
+
+    return fn
+
+
+def ours_graph(n: int) -> torch.fx.GraphModule:
+    fn = backward_like(n, lambda g, i: ddp_fusion.all_reduce_gradient(g, name=f"p{i}"))
+    return make_fx(fn, tracing_mode="fake")(torch.empty(SHAPE))
+
+
+def upstream_graph(n: int) -> torch.fx.GraphModule:
+    group = dist.group.WORLD
+    fn = backward_like(n, lambda g, i: fcol.all_reduce(g / 2, "sum", group))
+    gm = make_fx(fn, tracing_mode="fake")(torch.empty(SHAPE))
+    for node in gm.graph.nodes:  # upstream reads tensor_meta; make_fx usually sets it
+        val = node.meta.get("val")
+        if "tensor_meta" not in node.meta and isinstance(val, torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    return gm
+
+
+def count_collectives(graph: torch.fx.Graph) -> int:
+    return sum(1 for node in graph.nodes if node.target in COLLECTIVES)
+
+
+# --- passes ---------------------------------------------------------------------------
+
+
+def run_ours(algorithm: str) -> Callable[[torch.fx.GraphModule], None]:
+    def run(gm):
+        fuse_ddp_allreduces(gm.graph, algorithm=algorithm)
+
+    return run
+
+
+def run_upstream(gm: torch.fx.GraphModule) -> None:
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
+    assert fake_mode is not None, "no fake tensors in the traced graph"
+    with V.set_fake_mode(fake_mode):
+        fuse_ddp_with_concat_op(gm.graph, UPSTREAM_BUCKET_MB)
+
+
+def measure(label: str, n: int, trace, run_pass, repeats: int) -> dict:
+    """Best time of ``run_pass`` over fresh graphs, and the collectives before/after."""
+    times = []
+    for _ in range(repeats):
+        gm = trace(n)
+        before = count_collectives(gm.graph)
+        gc.collect()
+        t0 = time.perf_counter()
+        run_pass(gm)
+        times.append(time.perf_counter() - t0)
+        gm.graph.lint()
+        after = count_collectives(gm.graph)
+        del gm
+        if times[-1] > SLOW_S:
+            break
+    best = min(times)
+    print(
+        f"  N={n:5d} {label:<17s} {best * 1e3:10.1f} ms  "
+        f"(runs: {', '.join(f'{t * 1e3:.1f}' for t in times)} ms)  "
+        f"collectives {before} -> {after}",
+        flush=True,
+    )
+    return {"ms": best * 1e3, "runs_ms": [t * 1e3 for t in times],
+            "collectives_before": before, "collectives_after": after}
+
+
+# --- report ---------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def fmt(value, spec: str) -> str:
+    return "skipped" if value is None else format(value, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| N | ours concat ms | ours coalesced ms | upstream concat ms "
+            "| ours concat µs/grad | collectives after: ours concat / coalesced / upstream |")
+    lines = [head, "|" + "---:|" * 6]
+    for r in rows:
+        up = r["upstream_concat"]
+        lines.append(
+            f"| {r['n']} | {r['ours_concat']['ms']:.1f} | {r['ours_coalesced']['ms']:.1f} "
+            f"| {fmt(up and up['ms'], '.1f')} "
+            f"| {r['ours_concat']['ms'] * 1e3 / r['n']:.1f} "
+            f"| {r['ours_concat']['collectives_after']} / "
+            f"{r['ours_coalesced']['collectives_after']} / "
+            f"{fmt(up and up['collectives_after'], 'd')} |"
+        )
+    return "\n".join(lines)
+
+
+def growth(rows: list[dict]) -> dict[str, float]:
+    """time(N_max) / time(N_max / 4) per pass, where both were measured (linear: ~4)."""
+    by_n = {r["n"]: r for r in rows}
+    hi = max(by_n)
+    lo = hi // 4
+    if lo not in by_n or hi % 4:
+        return {}
+    ratios = {"from_n": lo, "to_n": hi}
+    for key in ("ours_concat", "ours_coalesced", "upstream_concat"):
+        a, b = by_n[lo][key], by_n[hi][key]
+        if a and b:
+            ratios[key] = b["ms"] / a["ms"]
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
+                        help="comma-separated numbers of gradients")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"sizes {','.join(map(str, QUICK_SIZES))}")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per measurement, best kept (runs over 10 s: 1)")
+    parser.add_argument("--skip-upstream-above", type=int, default=3200, metavar="N",
+                        help="do not run upstream's pass for graphs of more than N gradients")
+    parser.add_argument("--out", default=OUT_PATH, help="JSON output path")
+    args = parser.parse_args(argv)
+    sizes = QUICK_SIZES if args.quick else tuple(int(s) for s in args.sizes.split(","))
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=ddp_fusion._torch.fake_store(),
+                                rank=0, world_size=2)
+
+    print(f"torch {torch.__version__}, {cpu_model()}, {os.cpu_count()} CPUs; "
+          f"{SHAPE[0]}x{SHAPE[1]} fp32 gradients (4 MB), best of {args.repeats}", flush=True)
+    rows = []
+    for n in sizes:
+        row = {
+            "n": n,
+            "ours_concat": measure("ours concat", n, ours_graph, run_ours("concat"),
+                                   args.repeats),
+            "ours_coalesced": measure("ours coalesced", n, ours_graph,
+                                      run_ours("coalesced"), args.repeats),
+            "upstream_concat": None,
+        }
+        if n <= args.skip_upstream_above:
+            row["upstream_concat"] = measure("upstream concat", n, upstream_graph,
+                                             run_upstream, args.repeats)
+        else:
+            print(f"  N={n:5d} upstream concat   skipped (--skip-upstream-above "
+                  f"{args.skip_upstream_above})", flush=True)
+        rows.append(row)
+
+    print()
+    print(table(rows))
+    ratios = growth(rows)
+    if ratios:
+        print(f"\ngrowth time(N={ratios['to_n']}) / time(N={ratios['from_n']}) "
+              "(linear ~4, quadratic ~16):")
+        for key in ("ours_concat", "ours_coalesced", "upstream_concat"):
+            if key in ratios:
+                print(f"  {key:<16s} {ratios[key]:.1f}")
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({
+            "command": " ".join([os.path.basename(sys.executable), "-m", "bench.pass_time",
+                                 *(sys.argv[1:] if argv is None else argv)]),
+            "torch": torch.__version__,
+            "cpu": cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "gradient_shape": list(SHAPE),
+            "upstream_bucket_mb": UPSTREAM_BUCKET_MB,
+            "repeats": args.repeats,
+            "rows": rows,
+            "growth": ratios,
+        }, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""``ddp_fusion.config``: validation names the setting, env variables parse strictly,
+``patch`` restores, and the wrapper rejects bad arguments before touching the network."""
+
+import pytest
+import torch
+
+import ddp_fusion
+from ddp_fusion.config import Config, from_env
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("enabled", 1), ("enabled", "yes"), ("algorithm", "ring"), ("schedule_waits", None),
+     ("dump_dir", 3), ("dump_dir", "")],
+)
+def test_bad_value_names_the_setting(name, value):
+    with pytest.raises(ValueError, match=f"ddp_fusion.config.{name}"):
+        setattr(Config(), name, value)
+
+
+def test_unknown_setting():
+    with pytest.raises(AttributeError, match="no setting 'bucket_cap'"):
+        Config().bucket_cap = 5
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"DDP_FUSION": "1"}, {"enabled": True}),
+        ({"DDP_FUSION": "off"}, {"enabled": False}),
+        ({"DDP_FUSION_ALGORITHM": "coalesced"}, {"algorithm": "coalesced"}),
+        ({"DDP_FUSION_SCHEDULE_WAITS": "0"}, {"schedule_waits": False}),
+        ({"DDP_FUSION_DUMP_DIR": "/tmp/d"}, {"dump_dir": "/tmp/d"}),
+        ({}, {}),
+    ],
+)
+def test_env(env, expected):
+    assert from_env(env) == expected
+
+
+@pytest.mark.parametrize(
+    "env, var",
+    [({"DDP_FUSION": "maybe"}, "DDP_FUSION"),
+     ({"DDP_FUSION_ALGORITHM": "tree"}, "DDP_FUSION_ALGORITHM"),
+     ({"DDP_FUSION_SCHEDULE_WAITS": "2"}, "DDP_FUSION_SCHEDULE_WAITS")],
+)
+def test_bad_env_names_the_variable(env, var):
+    with pytest.raises(ValueError, match=var):
+        from_env(env)
+
+
+def test_patch_restores_even_on_error():
+    cfg = ddp_fusion.config
+    before = cfg.as_dict()
+    with pytest.raises(RuntimeError):
+        with cfg.patch(algorithm="coalesced", schedule_waits=False):
+            assert (cfg.algorithm, cfg.schedule_waits) == ("coalesced", False)
+            raise RuntimeError
+    assert cfg.as_dict() == before
+
+
+def test_patch_rejects_bad_value_and_keeps_old():
+    with pytest.raises(ValueError, match="algorithm"):
+        with ddp_fusion.config.patch(algorithm="nope"):
+            pass
+    assert ddp_fusion.config.algorithm == "concat"
+
+
+@pytest.mark.usefixtures("fake_pg")
+class TestWrapperArguments:
+    def test_bad_bucket_cap(self):
+        with pytest.raises(ValueError, match="bucket_cap_mb"):
+            ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=-5)
+
+    def test_already_wrapped(self):
+        inner = ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2))
+        with pytest.raises(ValueError, match="already wrapped"):
+            ddp_fusion.DistributedDataParallel(inner)
+
+    def test_integer_parameter(self):
+        m = torch.nn.Linear(2, 2)
+        m.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+        ddp_fusion.DistributedDataParallel(m)  # frozen: fine
+        m.extra = torch.nn.Parameter(torch.zeros(1, dtype=torch.float16).to_sparse())
+        with pytest.raises(ValueError, match="'extra'"):
+            ddp_fusion.DistributedDataParallel(m)
+
+    def test_bad_process_group(self):
+        with pytest.raises(TypeError, match="process_group"):
+            ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), process_group="world")
+
+    def test_uncompiled_step_reduces_each_gradient(self):
+        """Fake group of 2: the all-reduce sums nothing, so the mean halves the grad."""
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 2)
+        ddp = ddp_fusion.DistributedDataParallel(m)
+        x = torch.randn(4, 3)
+        ddp(x).sum().backward()
+        want = torch.autograd.grad(torch.nn.functional.linear(x, m.weight, m.bias).sum(), m.weight)[0]
+        torch.testing.assert_close(m.weight.grad, want / 2)
+        m.weight.grad = None
+        with ddp.no_sync():
+            ddp(x).sum().backward()
+        torch.testing.assert_close(m.weight.grad, want)
