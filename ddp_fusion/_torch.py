@@ -63,7 +63,9 @@ def enable_compiled_autograd(compiler_fn: Callable[..., Any]) -> AbstractContext
     """Compiled autograd for every ``backward()`` while the returned context is open."""
     from torch._dynamo import compiled_autograd
 
-    return compiled_autograd._enable(compiler_fn)
+    # `_enable` since torch 2.7; `enable` before (same signature).
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    return enable(compiler_fn)
 
 
 def compiled_autograd_active() -> bool:

@@ -52,6 +52,20 @@ def fuse(gm, **kwargs):
 
 @pytest.mark.usefixtures("fake_pg")
 class TestReadableGraphs(expecttest.TestCase):
+    def test_before(self):
+        """What the pass starts from: one tagged all-reduce right after each gradient."""
+        gm = trace(small_backward, *inputs())
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, x_1, w1_1, w2_1):
+    mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
+    t = torch.ops.aten.t.default(mm)
+    mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
+    all_reduce_gradient = torch.ops.ddp_fusion.all_reduce_gradient.default(mm_1, '0', 'avg', [1048576, 26214400], 'w2');  mm_1 = None
+    mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
+    all_reduce_gradient_1 = torch.ops.ddp_fusion.all_reduce_gradient.default(sum_1, '0', 'avg', [1048576, 26214400], 'w1');  sum_1 = None
+    return (all_reduce_gradient_1, all_reduce_gradient)""")
+
     def test_concat(self):
         gm = trace(small_backward, *inputs())
         fuse(gm, algorithm="concat")
