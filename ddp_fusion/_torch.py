@@ -98,3 +98,10 @@ def fake_store() -> Any:
 
     return FakeStore()
 
+
+
+def disable_compiled_autograd() -> AbstractContextManager[None]:
+    """Eager autograd inside the block, even while ``enable_compiled_autograd`` is open."""
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd._disable()

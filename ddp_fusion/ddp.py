@@ -17,6 +17,7 @@ kind of device per process, as with torch DDP.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -25,10 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _torch
+from .config import config
 from .ops import ALL_REDUCE_GRADIENT, REDUCE_OPS
 from .passes.bucketing import ddp_bucket_limits
 
 __all__ = ["DistributedDataParallel", "all_reduce_gradient"]
+
+log = logging.getLogger("ddp_fusion")
 
 
 def all_reduce_gradient(
@@ -71,9 +76,25 @@ def _make_hook(state: _SyncState, group_name: str, limits: list[int], name: str)
     def reduce_grad(param: torch.Tensor) -> None:
         if not state.require_backward_grad_sync or param.grad is None:
             return
+        if not torch.compiler.is_compiling() and config.enabled:
+            _warn_not_compiled()
         param.grad.copy_(ALL_REDUCE_GRADIENT(param.grad, group_name, "avg", limits, name))
 
     return reduce_grad
+
+
+def _warn_not_compiled() -> None:
+    _torch.counters()["ddp_fusion"]["unfused: compiled autograd not active"] += 1
+    if not _warned_not_compiled:
+        _warned_not_compiled.append(True)
+        log.warning(
+            "ddp_fusion: config.enabled is on but a gradient hook ran outside compiled "
+            "autograd (backward not compiled, or a graph break in it); its gradients are "
+            "reduced one by one, unfused"
+        )
+
+
+_warned_not_compiled: list[bool] = []
 
 
 class DistributedDataParallel(nn.Module):

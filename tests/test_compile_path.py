@@ -107,3 +107,38 @@ def test_enabled_installs_next_to_user_pass_and_restores_it():
         assert not _install._torch.compiled_autograd_active()
     finally:
         inductor_config.post_grad_custom_post_pass = saved
+
+
+def test_no_sync_accumulates_without_communication_and_one_extra_graph(monkeypatch, tmp_path):
+    """Two micro-steps under no_sync, then a synced one: the no-sync backward has no
+    all-reduce, the synced one reduces the accumulated sum, and the no-sync variant
+    costs exactly one more compiled backward graph (no recompile storm)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the pass must run
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    batches = [torch.randn(16, 32) for _ in range(3)]
+
+    def accumulate(model, ddp):
+        for _ in range(2):  # two accumulation cycles
+            for p in model.parameters():
+                p.grad = None
+            with ddp.no_sync():
+                for x in batches[:2]:
+                    model(x).square().sum().backward()
+            model(batches[2]).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    eager_ddp = ddp_fusion.DistributedDataParallel(mlp())
+    want = accumulate(eager_ddp, eager_ddp)
+
+    counters.clear()
+    with ddp_fusion.config.patch(enabled=True):
+        ddp = ddp_fusion.DistributedDataParallel(mlp())
+        got = accumulate(torch.compile(ddp), ddp)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    # 1 forward graph + 3 backward graphs: first micro-step (no .grad yet) no-sync,
+    # accumulating no-sync, accumulating synced; without no_sync it would be 1 + 2.
+    # Only the synced backward has tagged all-reduces for the pass.
+    assert counters["stats"]["unique_graphs"] == 4
+    assert counters["ddp_fusion"]["graphs"] == 1

@@ -102,3 +102,20 @@ class TestWrapperArguments:
         with ddp.no_sync():
             ddp(x).sum().backward()
         torch.testing.assert_close(m.weight.grad, want)
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_warns_once_when_enabled_but_backward_not_compiled(caplog):
+    from torch._dynamo.utils import counters
+
+    from ddp_fusion import _torch, ddp as ddp_module
+
+    ddp = ddp_fusion.DistributedDataParallel(torch.nn.Linear(3, 2))
+    counters.clear()
+    ddp_module._warned_not_compiled.clear()
+    with ddp_fusion.config.patch(enabled=True):
+        with _torch.disable_compiled_autograd():
+            for _ in range(2):
+                ddp(torch.randn(4, 3)).sum().backward()
+    assert counters["ddp_fusion"]["unfused: compiled autograd not active"] == 4  # 2 params x 2
+    assert sum("outside compiled autograd" in r.message for r in caplog.records) == 1
