@@ -30,6 +30,7 @@ from . import _torch
 from .config import config
 from .ops import ALL_REDUCE_GRADIENT, REDUCE_OPS
 from .passes.bucketing import ddp_bucket_limits
+from .verify import verify_params_across_ranks
 
 __all__ = ["DistributedDataParallel", "all_reduce_gradient"]
 
@@ -152,6 +153,7 @@ class DistributedDataParallel(nn.Module):
                 "put the module on one device per process"
             )
 
+        verify_params_across_ranks(list(module.named_parameters()), self.process_group)
         _broadcast_from_rank0(
             [p.detach() for p in module.parameters()] + [b.detach() for b in module.buffers()],
             self.process_group,

@@ -70,3 +70,40 @@ def compare_with_eager_ddp(rank, world_size, algorithms, steps=4, bucket_cap_mb=
             "max_diff": max((g - w).abs().max().item() for g, w in zip(got, want)),
         }
     return out
+
+
+class TwoBranch(torch.nn.Module):
+    """``b`` is used only when ``use_b``: set it per rank for rank-dependent graphs."""
+
+    def __init__(self, use_b=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.use_b = use_b
+
+    def forward(self, x):
+        x = self.a(x)
+        return self.b(x) if self.use_b else x
+
+
+def mismatched_plans(rank, world_size):
+    """Rank 1 never uses ``b``: its backward reduces fewer gradients. Returns the error
+    each rank raised (there must be one, not a hang)."""
+    from ddp_fusion.verify import PlanMismatchError
+
+    with ddp_fusion.config.patch(enabled=True):
+        model = torch.compile(ddp_fusion.DistributedDataParallel(TwoBranch(use_b=rank == 0)))
+        try:
+            model(torch.randn(4, 8)).sum().backward()
+        except PlanMismatchError as e:
+            return str(e)
+    return None
+
+
+def different_models(rank, world_size):
+    try:
+        ddp_fusion.DistributedDataParallel(torch.nn.Linear(8, 8 + rank))
+    except ValueError as e:
+        return str(e)
+    return None

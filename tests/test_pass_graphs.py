@@ -71,6 +71,7 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="concat")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', 2.0, device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
@@ -79,7 +80,7 @@ def forward(self, x_1, w1_1, w2_1):
     reshape_default = torch.ops.aten.reshape.default(mm_1, [-1]);  mm_1 = None
     reshape_default_1 = torch.ops.aten.reshape.default(sum_1, [-1]);  sum_1 = None
     cat_default = torch.ops.aten.cat.default([reshape_default, reshape_default_1]);  reshape_default = reshape_default_1 = None
-    div_tensor = torch.ops.aten.div.Tensor(cat_default, 2);  cat_default = None
+    div_tensor = torch.ops.aten.div.Tensor(cat_default, plan_guard_default);  cat_default = plan_guard_default = None
     all_reduce_default = torch.ops._c10d_functional.all_reduce.default(div_tensor, 'sum', '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
     split_with_sizes_default = torch.ops.aten.split_with_sizes.default(wait_tensor_default, [15, 5]);  wait_tensor_default = None
@@ -94,13 +95,14 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="coalesced")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', 2.0, device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
-    _foreach_div_scalar = torch.ops.aten._foreach_div.Scalar([mm_1, sum_1], 2);  mm_1 = sum_1 = None
-    all_reduce_coalesced_default = torch.ops._c10d_functional.all_reduce_coalesced.default(_foreach_div_scalar, 'sum', '0');  _foreach_div_scalar = None
+    _foreach_div_tensor = torch.ops.aten._foreach_div.Tensor([mm_1, sum_1], plan_guard_default);  mm_1 = sum_1 = plan_guard_default = None
+    all_reduce_coalesced_default = torch.ops._c10d_functional.all_reduce_coalesced.default(_foreach_div_tensor, 'sum', '0');  _foreach_div_tensor = None
     getitem = all_reduce_coalesced_default[0]
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(getitem);  getitem = None
     getitem_1 = all_reduce_coalesced_default[1];  all_reduce_coalesced_default = None
@@ -176,8 +178,9 @@ class TestWhatIsFused:
         gm = trace(fn, torch.randn(3), torch.randn(2, 2))
         result = fuse(gm, algorithm="concat")
         assert [len(b.grads) for b in result.buckets] == [2]
-        # reduce_op "sum": no scaling at all
-        assert not list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.div.Tensor))
+        # reduce_op "sum" on a group of 1: the guard's divisor is 1
+        (guard,) = gm.graph.find_nodes(op="call_function", target=torch.ops.ddp_fusion.plan_guard.default)
+        assert guard.args[0] == single.group_name and guard.args[2] == 1.0
         a, b = torch.randn(3), torch.randn(2, 2)
         torch.testing.assert_close(gm(a, b), (a, b))
 

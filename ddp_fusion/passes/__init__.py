@@ -2,6 +2,7 @@
 
     collectives.py  find ``ddp_fusion::all_reduce_gradient`` nodes (the tag)
     bucketing.py    plan buckets per (group, dtype, device, reduce op, limits), DDP's rule
+    guard.py        one cross-rank plan check per group, at graph start (the divisor)
     concat.py       rewrite a bucket as cat + div + all_reduce + split
     coalesced.py    rewrite a bucket as _foreach_div + all_reduce_coalesced
     schedule.py     move each bucket's wait to just before its first reader
@@ -34,6 +35,7 @@ from .bucketing import Bucket, plan_buckets
 from .coalesced import fuse_coalesced
 from .collectives import GradAllReduce, Unfused, find_gradient_all_reduces
 from .concat import fuse_concat
+from .guard import insert_plan_guards
 from .schedule import sink_waits
 
 __all__ = ["FusionResult", "fuse_ddp_allreduces"]
@@ -97,12 +99,14 @@ def fuse_ddp_allreduces(
     before = dump.graph_code(graph) if dump_dir else ""
 
     result.buckets = plan_buckets(graph, grads)
+    guards = insert_plan_guards(graph, result.buckets)
     order = {node: i for i, node in enumerate(graph.nodes)}
     fuse = _FUSERS[algorithm]
     fused = []
     for bucket in result.buckets:
         last_grad = max((g.grad for g in bucket.grads), key=order.__getitem__)
-        fb = fuse(graph, bucket, last_grad)
+        key = bucket.key
+        fb = fuse(graph, bucket, last_grad, guards[key.group_name, key.reduce_op, key.device])
         for g, out in zip(bucket.grads, fb.outputs):
             _replace(graph, g, out)
         fused.append(fb)

@@ -21,14 +21,18 @@ def call_function(
 ) -> torch.fx.Node:
     """``graph.call_function`` that also sets ``meta["val"]``, computed on fake tensors.
 
-    The fake mode is the one the inputs' values already live in (Inductor's, or
-    make_fx's); for a graph traced with real tensors a fresh fake mode is used, so the
-    pass also runs outside Inductor.
+    The fake mode is the one the inputs' (or else the graph inputs') values already live
+    in (Inductor's, or make_fx's); for a graph traced with real tensors a fresh fake mode
+    is used, so the pass also runs outside Inductor.
     """
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
     fake_args, fake_kwargs = map_arg((args, kwargs), lambda n: n.meta["val"])
     mode = _torch.detect_fake_mode((fake_args, fake_kwargs))
+    if mode is None:  # no tensor inputs: use the graph's own fake mode
+        mode = _torch.detect_fake_mode(
+            [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
+        )
     if mode is None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 

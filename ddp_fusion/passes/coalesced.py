@@ -2,7 +2,7 @@
 
 Before: as in concat.py. After (inserted right after the last of g1..gn is computed)::
 
-    s = _foreach_div([g1 ... gn], world_size)          # only for reduce op "avg"
+    s = _foreach_div([g1 ... gn], divisor)     # divisor: world size, or 1 for "sum"
     red = _c10d_functional.all_reduce_coalesced(s, "sum", group)
     r1 = wait_tensor(red[0]) ... rn = wait_tensor(red[n-1])   # moved later by schedule.py
 
@@ -18,21 +18,19 @@ import torch.fx
 
 from ._graph import call_function
 from .bucketing import Bucket
-from .collectives import group_size
 from .schedule import FusedBucket
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def fuse_coalesced(graph: torch.fx.Graph, bucket: Bucket, after: torch.fx.Node) -> FusedBucket:
+def fuse_coalesced(
+    graph: torch.fx.Graph, bucket: Bucket, after: torch.fx.Node, divisor: torch.fx.Node
+) -> FusedBucket:
     key = bucket.key
     with graph.inserting_before(after.next):
-        inputs: torch.fx.Node | list[torch.fx.Node] = [g.grad for g in bucket.grads]
-        if key.reduce_op == "avg":
-            inputs = call_function(
-                graph, aten._foreach_div.Scalar, (inputs, group_size(key.group_name))
-            )
+        grads = [g.grad for g in bucket.grads]
+        inputs = call_function(graph, aten._foreach_div.Tensor, (grads, divisor))
         collective = call_function(
             graph, c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name)
         )

@@ -10,14 +10,15 @@ Before (n gradients of one bucket)::
 After (inserted right after the last of g1..gn is computed)::
 
     flat = cat([view(g1, [-1]) ... view(gn, [-1])])   # Inductor: one copy-in kernel,
-    flat = div(flat, world_size)                        # the scaling fused into it
+    flat = div(flat, divisor)                           # the scaling fused into it
     red  = _c10d_functional.all_reduce(flat, "sum", group)
     red  = _c10d_functional.wait_tensor(red)            # moved later by schedule.py
     parts = split_with_sizes(red, [numel1 ... numeln])
     r1 = view(parts[0], shape1) ... rn = view(parts[n-1], shapen)
 
-The division happens before the sum, as in eager DDP, so low-precision gradients do not
-overflow.
+``divisor`` is the 0-d tensor from the group's ``plan_guard`` (see verify.py): the world
+size for ``avg``, 1 for ``sum``. The division happens before the sum, as in eager DDP,
+so low-precision gradients do not overflow.
 """
 
 from __future__ import annotations
@@ -29,20 +30,20 @@ import torch.fx
 
 from ._graph import call_function
 from .bucketing import Bucket
-from .collectives import group_size
 from .schedule import FusedBucket
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def fuse_concat(graph: torch.fx.Graph, bucket: Bucket, after: torch.fx.Node) -> FusedBucket:
+def fuse_concat(
+    graph: torch.fx.Graph, bucket: Bucket, after: torch.fx.Node, divisor: torch.fx.Node
+) -> FusedBucket:
     key = bucket.key
     with graph.inserting_before(after.next):
         flats = [call_function(graph, aten.reshape.default, (g.grad, [-1])) for g in bucket.grads]
         flat = call_function(graph, aten.cat.default, (flats,))
-        if key.reduce_op == "avg":
-            flat = call_function(graph, aten.div.Tensor, (flat, group_size(key.group_name)))
+        flat = call_function(graph, aten.div.Tensor, (flat, divisor))
         collective = call_function(graph, c10d.all_reduce.default, (flat, "sum", key.group_name))
         wait = call_function(graph, c10d.wait_tensor.default, (collective,))
         parts = call_function(

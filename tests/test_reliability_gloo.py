@@ -1,0 +1,19 @@
+"""Ranks that would issue different collectives get a clear error on every rank, never
+a hang (2 gloo ranks)."""
+
+from ddp_fusion.launch import run_ranks
+
+from _workers import different_models, mismatched_plans
+
+
+def test_rank_dependent_backward_raises_plan_mismatch_on_every_rank():
+    errors = run_ranks(mismatched_plans, world_size=2, timeout=600)
+    for err in errors:
+        assert err is not None and "different gradient bucket plans" in err
+        assert "group rank 1 has no gradient for: b.bias, b.weight" in err
+
+
+def test_different_models_fail_at_construction_on_every_rank():
+    errors = run_ranks(different_models, world_size=2, timeout=120)
+    for err in errors:
+        assert err is not None and "parameter #0 differs across ranks" in err and "'weight'" in err
