@@ -105,3 +105,8 @@ def disable_compiled_autograd() -> AbstractContextManager[None]:
     from torch._dynamo import compiled_autograd
 
     return compiled_autograd._disable()
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass has finished (call from a hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

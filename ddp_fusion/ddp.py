@@ -30,6 +30,7 @@ from . import _torch
 from .config import config
 from .ops import ALL_REDUCE_GRADIENT, REDUCE_OPS
 from .passes.bucketing import ddp_bucket_limits
+from .reducer import EagerReducer
 from .verify import verify_params_across_ranks
 
 __all__ = ["DistributedDataParallel", "all_reduce_gradient"]
@@ -45,6 +46,7 @@ def all_reduce_gradient(
     bucket_cap_mb: float | None = None,
     bucket_cap_mb_list: Sequence[float] | None = None,
     name: str = "",
+    comm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """All-reduce one gradient over ``group`` (default: the world), tagged for fusion.
 
@@ -52,7 +54,9 @@ def all_reduce_gradient(
     ``"sum"`` only sums. The bucket arguments mean what they mean for
     :class:`torch.nn.parallel.DistributedDataParallel`; gradients reduced with the same
     group, dtype, device, reduce op and bucket arguments are bucketed together by the
-    pass. ``name`` (a parameter's name, say) labels the gradient in dumps. Returns a new
+    pass. ``name`` (a parameter's name, say) labels the gradient in dumps. With
+    ``comm_dtype`` the gradient is cast to it, scaled, summed and cast back (torch's
+    fp16/bf16 compress hooks, or an fp32 reduction of bf16 gradients). Returns a new
     tensor; ``grad`` is not modified.
     """
     if not isinstance(grad, torch.Tensor):
@@ -63,7 +67,7 @@ def all_reduce_gradient(
         )
     group = _default_group(group, "all_reduce_gradient")
     limits = ddp_bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
-    return ALL_REDUCE_GRADIENT(grad, group.group_name, reduce_op, limits, name)
+    return ALL_REDUCE_GRADIENT(grad, group.group_name, reduce_op, limits, name, comm_dtype)
 
 
 class _SyncState:
@@ -73,13 +77,26 @@ class _SyncState:
         self.require_backward_grad_sync = True
 
 
-def _make_hook(state: _SyncState, group_name: str, limits: list[int], name: str):
+def _make_hook(
+    state: _SyncState,
+    reducer: EagerReducer,
+    index: int,
+    group_name: str,
+    limits: list[int],
+    name: str,
+    comm_dtype: torch.dtype | None,
+):
     def reduce_grad(param: torch.Tensor) -> None:
         if not state.require_backward_grad_sync or param.grad is None:
             return
-        if not torch.compiler.is_compiling() and config.enabled:
+        if torch.compiler.is_compiling():
+            # Traced by compiled autograd: one tagged all-reduce, fused by the pass.
+            reduced = ALL_REDUCE_GRADIENT(param.grad, group_name, "avg", limits, name, comm_dtype)
+            param.grad.copy_(reduced)
+            return
+        if config.enabled:
             _warn_not_compiled()
-        param.grad.copy_(ALL_REDUCE_GRADIENT(param.grad, group_name, "avg", limits, name))
+        reducer.grad_ready(index)
 
     return reduce_grad
 
@@ -117,6 +134,10 @@ class DistributedDataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
         bucket_cap_mb_list: Sequence[float] | None = None,
+        *,
+        find_unused_parameters: bool = False,
+        comm_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -131,8 +152,22 @@ class DistributedDataParallel(nn.Module):
                 f"process_group must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(process_group).__name__}"
             )
+        if not isinstance(find_unused_parameters, bool):
+            raise TypeError(
+                f"find_unused_parameters must be True or False, got {find_unused_parameters!r}"
+            )
+        for arg, value in (("comm_dtype", comm_dtype), ("reduce_dtype", reduce_dtype)):
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(f"{arg} must be a floating-point torch.dtype or None, got {value!r}")
+        if comm_dtype is not None and reduce_dtype is not None and comm_dtype != reduce_dtype:
+            raise ValueError(
+                f"comm_dtype ({comm_dtype}) and reduce_dtype ({reduce_dtype}) name the same "
+                "thing, the dtype gradients are all-reduced in; give one"
+            )
         self.module = module
         self.process_group = _default_group(process_group, "DistributedDataParallel")
+        self.find_unused_parameters = find_unused_parameters
+        self.comm_dtype = comm_dtype or reduce_dtype
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_mb_list = None if bucket_cap_mb_list is None else list(bucket_cap_mb_list)
         self.bucket_bytes_limits = ddp_bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
@@ -159,12 +194,22 @@ class DistributedDataParallel(nn.Module):
             self.process_group,
         )
         self._state = _SyncState()
+        self.reducer = EagerReducer(
+            params,
+            self.process_group,
+            self.bucket_bytes_limits,
+            self.comm_dtype,
+            find_unused_parameters,
+        )
         group_name = self.process_group.group_name
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(
-                _make_hook(self._state, group_name, self.bucket_bytes_limits, n)
+                _make_hook(
+                    self._state, self.reducer, i, group_name, self.bucket_bytes_limits, n,
+                    self.comm_dtype,
+                )
             )
-            for n, p in params
+            for i, (n, p) in enumerate(params)
         ]
 
     @property

@@ -29,6 +29,7 @@ def _all_reduce_gradient(
     reduce_op: str,
     bucket_limits: Sequence[int],
     name: str,
+    comm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     # bucket_limits and name are for the pass (bucket plan, dumps); unused here.
     group = _torch.resolve_process_group(group_name)
@@ -37,13 +38,16 @@ def _all_reduce_gradient(
             f"ddp_fusion.all_reduce_gradient: process group {group_name!r} is not "
             "registered in this process"
         )
-    out = grad / group.size() if reduce_op == "avg" else grad.clone()
+    # cast, scale, sum, cast back: the order of torch's fp16/bf16 compress hooks
+    out = grad.to(comm_dtype or grad.dtype, copy=True)
+    if reduce_op == "avg":
+        out.div_(group.size())
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
+    return out.to(grad.dtype)
 
 
 @_all_reduce_gradient.register_fake
-def _(grad, group_name, reduce_op, bucket_limits, name):
+def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None):
     return torch.empty_like(grad)
 
 

@@ -107,3 +107,105 @@ def different_models(rank, world_size):
     except ValueError as e:
         return str(e)
     return None
+
+
+def _steps(model, batches, lr=0.05, before_step=None):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for i, x in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def training_semantics(rank, world_size):
+    """Issue 5 on 2 gloo ranks: uncompiled bucketed path, unused parameters, comm dtype,
+    and gradient accumulation, each against eager torch DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    out = {}
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, 64, generator=gen) for _ in range(4)]
+    base = mlp(bias=True)
+    torch_ddp = lambda m, **kw: torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=0.03, **kw)
+    ours = lambda m, **kw: ddp_fusion.DistributedDataParallel(m, bucket_cap_mb=0.03, **kw)
+
+    # 1. uncompiled, bucketed: same parameters, and one collective per bucket
+    want = _steps(torch_ddp(copy.deepcopy(base)), batches)
+    model = ours(copy.deepcopy(base))
+    got = _steps(model, batches[:-1])
+    got_collectives = count_all_reduces(lambda: _steps(model, batches[-1:]))
+    got = [p.detach() for p in model.parameters()]
+    out["uncompiled"] = {
+        "max_diff": max((g - w).abs().max().item() for g, w in zip(got, want)),
+        "collectives": got_collectives,
+        "buckets": len(model.reducer.buckets),
+    }
+
+    # 2. unused parameters: rank 1 never uses b; c is used by no rank
+    class Unused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.c = (torch.nn.Linear(64, 64) for _ in range(3))
+
+        def forward(self, x):
+            x = self.a(x)
+            return self.b(x) if rank == 0 else x
+
+    m0 = Unused()
+    want = _steps(torch_ddp(copy.deepcopy(m0), find_unused_parameters=True), batches)
+    model = ours(copy.deepcopy(m0), find_unused_parameters=True)
+    got = _steps(model, batches)
+    out["unused"] = {
+        "max_diff": max((g - w).abs().max().item() for g, w in zip(got, want)),
+        "c_grad_is_none": model.module.c.weight.grad is None,
+        "b_grad_set": model.module.b.weight.grad is not None,
+    }
+    try:
+        _steps(ours(copy.deepcopy(m0)), batches[:1])
+        out["unused_error"] = None
+    except RuntimeError as e:
+        out["unused_error"] = str(e)
+
+    # 3. comm_dtype=fp16 against torch DDP with fp16_compress_hook
+    ref = torch_ddp(copy.deepcopy(base))
+    ref.register_comm_hook(ref.process_group, default_hooks.fp16_compress_hook)
+    want = _steps(ref, batches)
+    got_eager = _steps(ours(copy.deepcopy(base), comm_dtype=torch.float16), batches)
+    torch._dynamo.reset()
+    with ddp_fusion.config.patch(enabled=True):
+        got_compiled = _steps(
+            torch.compile(ours(copy.deepcopy(base), comm_dtype=torch.float16)), batches
+        )
+    out["fp16"] = {
+        "eager_max_diff": max((g - w).abs().max().item() for g, w in zip(got_eager, want)),
+        "compiled_max_diff": max((g - w).abs().max().item() for g, w in zip(got_compiled, want)),
+    }
+
+    # 4. gradient accumulation, compiled: no communication inside no_sync
+    torch._dynamo.reset()
+    ref = torch_ddp(copy.deepcopy(base))
+    with ref.no_sync():
+        for x in batches[:2]:
+            ref(x).square().mean().backward()
+    ref(batches[2]).square().mean().backward()
+    with ddp_fusion.config.patch(enabled=True):
+        ddp = ours(copy.deepcopy(base))
+        model = torch.compile(ddp)
+
+        def micro_steps():
+            with ddp.no_sync():
+                for x in batches[:2]:
+                    model(x).square().mean().backward()
+
+        inside = count_all_reduces(micro_steps)
+        model(batches[2]).square().mean().backward()
+    out["no_sync"] = {
+        "collectives_inside": inside,
+        "max_diff": max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(ddp.module.parameters(), ref.module.parameters())
+        ),
+    }
+    return out

@@ -63,6 +63,8 @@ class FusionResult:
                     "dtype": str(b.key.dtype).removeprefix("torch."),
                     "device": str(b.key.device),
                     "reduce_op": b.key.reduce_op,
+                    **({"comm_dtype": str(b.key.comm_dtype).removeprefix("torch.")}
+                       if b.key.comm_dtype else {}),
                     "bytes": b.nbytes,
                     "num_grads": len(b.grads),
                     "grads": [g.label for g in b.grads],

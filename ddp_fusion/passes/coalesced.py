@@ -6,7 +6,8 @@ Before: as in concat.py. After (inserted right after the last of g1..gn is compu
     red = _c10d_functional.all_reduce_coalesced(s, "sum", group)
     r1 = wait_tensor(red[0]) ... rn = wait_tensor(red[n-1])   # moved later by schedule.py
 
-No flat buffer and no copy out; the backend still sees one call per bucket.
+No flat buffer and no copy out; the backend still sees one call per bucket. With a
+``comm_dtype`` each gradient is cast before the division and cast back after its wait.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .bucketing import Bucket
 from .schedule import FusedBucket
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 
 
@@ -30,6 +32,11 @@ def fuse_coalesced(
     key = bucket.key
     with graph.inserting_before(after.next):
         grads = [g.grad for g in bucket.grads]
+        if key.comm_dtype is not None:
+            grads = [
+                call_function(graph, prims.convert_element_type.default, (g, key.comm_dtype))
+                for g in grads
+            ]
         inputs = call_function(graph, aten._foreach_div.Tensor, (grads, divisor))
         collective = call_function(
             graph, c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name)
@@ -37,7 +44,11 @@ def fuse_coalesced(
         tails, outputs = [], []
         for i in range(len(bucket.grads)):
             item = call_function(graph, operator.getitem, (collective, i))
-            wait = call_function(graph, c10d.wait_tensor.default, (item,))
-            tails.append([item, wait])
-            outputs.append(wait)
+            tail = [item, call_function(graph, c10d.wait_tensor.default, (item,))]
+            if key.comm_dtype is not None:
+                tail.append(
+                    call_function(graph, prims.convert_element_type.default, (tail[-1], key.dtype))
+                )
+            tails.append(tail)
+            outputs.append(tail[-1])
     return FusedBucket(bucket, collective, tails, outputs)

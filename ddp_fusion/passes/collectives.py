@@ -26,6 +26,7 @@ class BucketKey:
     device: torch.device
     reduce_op: str
     limits: tuple[int, ...]
+    comm_dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ def find_gradient_all_reduces(
     unfused: list[Unfused] = []
     group_sizes: dict[str, int | None] = {}
     for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=True):
-        grad, group_name, reduce_op, limits, name = _args(node)
+        grad, group_name, reduce_op, limits, name, comm_dtype = _args(node)
         val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
         reason = None
         if not isinstance(val, torch.Tensor):
@@ -83,7 +84,10 @@ def find_gradient_all_reduces(
             GradAllReduce(
                 node=node,
                 grad=grad,
-                key=BucketKey(group_name, val.dtype, val.device, reduce_op, tuple(limits)),
+                key=BucketKey(
+                    group_name, val.dtype, val.device, reduce_op, tuple(limits),
+                    None if comm_dtype == val.dtype else comm_dtype,
+                ),
                 shape=tuple(val.shape),
                 numel=val.numel(),
                 nbytes=val.numel() * val.element_size(),
@@ -100,6 +104,8 @@ def group_size(group_name: str) -> int:
 
 
 def _args(node: torch.fx.Node) -> tuple:
-    schema_args = ("grad", "group_name", "reduce_op", "bucket_limits", "name")
-    values = list(node.args) + [node.kwargs[a] for a in schema_args[len(node.args) :]]
-    return tuple(values)
+    schema = node.target._schema.arguments  # type: ignore[union-attr]
+    return tuple(
+        node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+        for i, a in enumerate(schema)
+    )

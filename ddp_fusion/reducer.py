@@ -1,0 +1,173 @@
+"""The uncompiled path: eager DDP's bucketed, overlapped all-reduce, in Python.
+
+Used whenever the gradient hooks run eagerly (no ``torch.compile``, or compiled without
+``config.enabled``). Like torch DDP's C++ reducer:
+
+* each gradient is copied into its bucket's flat buffer as soon as it is accumulated
+  (cast to the communication dtype on the way, if one is set);
+* a bucket's all-reduce is launched asynchronously as soon as it is full, but buckets are
+  launched strictly in order, so every rank issues the same collectives in the same
+  order whatever order its gradients arrive in;
+* at the end of backward (an autograd engine callback) the reducer waits for every
+  bucket and copies the results back into ``.grad``.
+
+Buckets start in reverse parameter order (DDP's guess); after the first synchronized
+backward they are rebuilt once from rank 0's observed ready order, with the same bucket
+limits the compiled path uses (``passes.bucketing``). With ``find_unused_parameters``
+they are never rebuilt, as in eager DDP.
+
+Unused parameters: a bucket that is not full at the end of backward means some
+parameters got no gradient. With ``find_unused_parameters=True`` their slots are sent
+as zeros and a used-parameter bitmap is all-reduced, so a parameter used on any rank
+gets the averaged gradient and one used on no rank keeps ``.grad = None`` (eager DDP's
+behaviour). Without it the buckets are still sent (so other ranks do not hang) and then
+this rank raises an error naming the parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from . import _torch
+
+
+@dataclasses.dataclass
+class _Bucket:
+    params: list[int]  # parameter indices, in bucket order
+    offsets: list[int]
+    buffer: torch.Tensor  # flat, in the communication dtype
+    pending: int = 0
+    work: dist.Work | None = None
+
+
+class EagerReducer:
+    def __init__(
+        self,
+        params: list[tuple[str, torch.nn.Parameter]],
+        group: dist.ProcessGroup,
+        limits: list[int],
+        comm_dtype: torch.dtype | None,
+        find_unused_parameters: bool,
+    ) -> None:
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.group = group
+        self.limits = limits
+        self.comm_dtype = comm_dtype
+        self.find_unused_parameters = find_unused_parameters
+        self.rebuilt = False
+        self._build(list(reversed(range(len(self.params)))))
+        self._in_backward = False
+
+    # -- bucket assignment ---------------------------------------------------------
+    def _build(self, order: list[int]) -> None:
+        """DDP's rule over ``order``: per (dtype, device), close a bucket once its bytes
+        reach the current limit; the next limit then applies (the last repeats)."""
+        open_: dict[tuple, list[int]] = {}
+        size: dict[tuple, int] = defaultdict(int)
+        limit_i: dict[tuple, int] = defaultdict(int)
+        groups: list[list[int]] = []
+        for i in order:
+            p = self.params[i]
+            key = (p.dtype, p.device)
+            open_.setdefault(key, []).append(i)
+            size[key] += p.numel() * p.element_size()
+            if size[key] >= self.limits[limit_i[key]]:
+                groups.append(open_.pop(key))
+                size[key] = 0
+                limit_i[key] = min(limit_i[key] + 1, len(self.limits) - 1)
+        groups.extend(open_.values())
+        self.buckets = []
+        self.bucket_of: dict[int, tuple[int, int]] = {}  # param -> (bucket, offset)
+        for b, members in enumerate(groups):
+            offsets, n = [], 0
+            for i in members:
+                self.bucket_of[i] = (b, n)
+                offsets.append(n)
+                n += self.params[i].numel()
+            p0 = self.params[members[0]]
+            buffer = torch.zeros(n, dtype=self.comm_dtype or p0.dtype, device=p0.device)
+            self.buckets.append(_Bucket(members, offsets, buffer))
+
+    # -- per backward --------------------------------------------------------------
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self._next = 0
+        self._ready: list[int] = []
+        self._used = torch.zeros(len(self.params), dtype=torch.int32)
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.work = None
+        _torch.queue_backward_callback(self._finish_backward)
+
+    def grad_ready(self, index: int) -> None:
+        """Called by parameter ``index``'s post-accumulate-grad hook."""
+        if not self._in_backward:
+            self._start_backward()
+        b, offset = self.bucket_of[index]
+        bucket = self.buckets[b]
+        grad = self.params[index].grad
+        bucket.buffer[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+        self._used[index] = 1
+        self._ready.append(index)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            bucket = self.buckets[self._next]
+            bucket.buffer.div_(self.group.size())
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            self._next += 1
+
+    def _finish_backward(self) -> None:
+        self._in_backward = False
+        missing = [i for b in self.buckets if b.pending for i, _ in self._unready(b)]
+        for b in self.buckets:
+            for i, offset in self._unready(b):
+                b.buffer[offset : offset + self.params[i].numel()].zero_()
+            b.pending = 0
+        self._launch_ready()
+        used = self._used
+        if self.find_unused_parameters:
+            dist.all_reduce(used, group=self.group)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for i, offset in zip(bucket.params, bucket.offsets):
+                p = self.params[i]
+                reduced = bucket.buffer[offset : offset + p.numel()].view_as(p)
+                if p.grad is not None:
+                    p.grad.copy_(reduced)
+                elif used[i]:  # unused here, used elsewhere: DDP gives it the average
+                    p.grad = reduced.to(p.dtype, copy=True)
+        if not self.rebuilt and not self.find_unused_parameters:
+            # Every rank gets here in the same backward; unused parameters go last.
+            self._rebuild_from(self._ready + [i for i in reversed(range(len(self.params))) if i in missing])
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(self.names[i] for i in missing[:20])
+            raise RuntimeError(
+                f"DistributedDataParallel: parameters got no gradient in this backward: "
+                f"{names}{' ...' if len(missing) > 20 else ''}. Pass "
+                "find_unused_parameters=True if some parameters are not used in every step"
+            )
+
+    def _unready(self, bucket: _Bucket):
+        return [
+            (i, off)
+            for i, off in zip(bucket.params, bucket.offsets)
+            if not self._used[i]
+        ]
+
+    def _rebuild_from(self, order: list[int]) -> None:
+        """Rebuild buckets from rank 0's ready order (once, after the first complete
+        backward), so all ranks keep identical buckets."""
+        shared = [order]
+        if self.group.size() > 1:
+            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self._build(shared[0])
+        self.rebuilt = True

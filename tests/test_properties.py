@@ -1,0 +1,456 @@
+"""Property-based tests of the fusion pass (hypothesis), on random make_fx graphs.
+
+Each example is a random backward-like graph: gradients of random shape (0-d and empty
+included), dtype (float32 / bfloat16 / float16), process group (the fake world of 2, a
+group of 1, a second group of 2), reduce op and bucket arguments, each reduced with the
+tagged ``ddp_fusion.all_reduce_gradient``; interleaved with untagged functional
+all-reduces, unrelated compute, early readers of reduced gradients, gradients that are
+graph inputs as they are (ready before anything is computed), one tensor reduced twice,
+and gradients computed from an earlier gradient's *reduced* value. For every graph, with
+either algorithm and with or without wait scheduling, this pins down:
+
+1. the fused graph lints and recompiles;
+2. every tagged all-reduce is in exactly one bucket and none is left in the graph; the
+   untagged collectives are the same nodes with the same arguments; one fused
+   collective per bucket;
+3. no bucket mixes process group, dtype, device, reduce op or bucket arguments;
+4. the boundaries are eager DDP's: per key, torch's C++
+   ``compute_bucket_assignment_by_size`` on the key's gradients in ready order, with
+   the limits torch DDP derives from the same arguments. The one allowed difference:
+   a bucket cut early (``Bucket.cut_reason``), and only right before a gradient that is
+   computed from the reduced value of one of the bucket's members; the reference then
+   restarts after the cut with the next limit;
+5. the fused graph computes what the unfused graph computes, bit for bit (fake process
+   group: a collective returns its input, ``avg`` divides by the group size first).
+
+Profiles: ``ci`` (200 examples; the default) and ``slow`` (1000), chosen with
+``HYPOTHESIS_PROFILE=slow``. ``test_fusion_properties_slow`` always runs the ``slow``
+profile and is marked ``slow`` (CI runs ``-m "not slow"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+import ddp_fusion
+from ddp_fusion import _torch
+from ddp_fusion.passes import fuse_ddp_allreduces
+from ddp_fusion.passes.bucketing import ddp_bucket_limits
+from ddp_fusion.passes.collectives import BucketKey
+
+ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
+C10D = torch.ops._c10d_functional
+
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=200, **_COMMON)
+settings.register_profile("slow", max_examples=1000, **_COMMON)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+
+
+@functools.cache
+def process_groups() -> tuple[dist.ProcessGroup, ...]:
+    """(the fake world of 2, a group of 1, a second group of 2), created once."""
+    assert dist.is_initialized(), "needs the fake_pg fixture"
+    return dist.group.WORLD, dist.new_group(ranks=[0]), dist.new_group(ranks=[0, 1])
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclasses.dataclass(frozen=True)
+class Grad:
+    """A gradient, reduced with ``all_reduce_gradient(..., name=f"g{i}")`` (i counts
+    Grad ops only). ``source`` says how the local gradient is made:
+
+    * ``"input"``: a graph input as it is (ready before any compute);
+    * ``"compute"``: ``x * 2`` of a fresh input ``x``;
+    * ``"reduced"``: ``x * 2 + sum(reduced g<of>)`` (depends on a reduced gradient);
+    * ``"untagged"``: ``x * 2 + sum(untagged all-reduce #of)``;
+    * ``"reuse"``: the very local tensor of ``g<of>`` again (its shape and dtype).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group: int  # index into process_groups()
+    reduce_op: str
+    bucket: int  # index into GraphSpec.bucket_args
+    source: str = "compute"
+    of: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Untagged:
+    """``fcol.all_reduce(t, "sum", group)``: ``t`` a fresh (3,) input, or (``of`` set)
+    the local gradient of ``g<of>``."""
+
+    group: int
+    of: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """``"matmul"``: unrelated ``x @ w``; ``"read"``: ``reduced g<of> * 3`` (an early
+    reader of a reduced gradient); ``"sum"``: ``local g<of>.sum()`` (a second reader of
+    a local gradient)."""
+
+    kind: str
+    of: int | None = None
+
+
+@dataclasses.dataclass
+class GraphSpec:
+    bucket_args: list[dict[str, Any]]
+    ops: list[Grad | Untagged | Compute]
+
+    @property
+    def grads(self) -> list[Grad]:
+        return [op for op in self.ops if isinstance(op, Grad)]
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CAP_MB = st.one_of(st.floats(0.0001, 0.01), st.sampled_from([0.0, 0.25]))
+BUCKET_ARGS = st.one_of(
+    st.just({}),
+    st.builds(lambda c: {"bucket_cap_mb": c}, CAP_MB),
+    st.builds(lambda cs: {"bucket_cap_mb_list": cs}, st.lists(CAP_MB, min_size=1, max_size=3)),
+)
+SHAPES = (
+    st.lists(st.sampled_from([1, 3, 0, 2, 5, 17, 64, 300]), max_size=3)
+    .map(tuple)
+    .filter(lambda s: math.prod(s) <= 100_000)
+)
+
+
+@st.composite
+def graph_specs(draw, max_ops: int = 20) -> GraphSpec:
+    bucket_args = draw(st.lists(BUCKET_ARGS, min_size=1, max_size=2))
+    # A few keys per graph, so that keys get several gradients and several buckets.
+    palette = draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, 2),
+                st.sampled_from(DTYPES),
+                st.sampled_from(["avg", "sum"]),
+                st.integers(0, len(bucket_args) - 1),
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    ops: list[Grad | Untagged | Compute] = []
+    n_grads = n_untagged = 0
+    for _ in range(draw(st.integers(1, max_ops))):
+        kind = draw(st.sampled_from(["grad", "grad", "grad", "untagged", "compute"]))
+        if kind == "grad":
+            group, dtype, reduce_op, bucket = draw(st.sampled_from(palette))
+            sources = ["compute", "input"]
+            if n_grads:
+                sources += ["reduced", "reuse"]
+            if n_untagged:
+                sources += ["untagged"]
+            source = draw(st.sampled_from(sources))
+            of = None
+            if source in ("reduced", "reuse"):
+                of = draw(st.integers(0, n_grads - 1))
+            elif source == "untagged":
+                of = draw(st.integers(0, n_untagged - 1))
+            ops.append(Grad(draw(SHAPES), dtype, group, reduce_op, bucket, source, of))
+            n_grads += 1
+        elif kind == "untagged":
+            of = draw(st.none() | st.integers(0, n_grads - 1)) if n_grads else None
+            ops.append(Untagged(draw(st.integers(0, 2)), of))
+            n_untagged += 1
+        else:
+            kinds = ["matmul", "read", "sum"] if n_grads else ["matmul"]
+            kind = draw(st.sampled_from(kinds))
+            of = draw(st.integers(0, n_grads - 1)) if kind != "matmul" else None
+            ops.append(Compute(kind, of))
+    return GraphSpec(bucket_args, ops)
+
+
+# --------------------------------------------------------------------------- builder
+
+
+def build(spec: GraphSpec):
+    """``(fn, example_inputs)``: fn takes one input per non-reused Grad, one per Untagged
+    without ``of``, then ``x`` and ``w`` for the matmuls; it returns every reduced
+    gradient, every untagged result and every compute result."""
+    groups = process_groups()
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(shape, dtype=torch.float32):
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    inputs = []
+    for op in spec.ops:
+        if isinstance(op, Grad) and op.source != "reuse":
+            inputs.append(randn(op.shape, op.dtype))
+        elif isinstance(op, Untagged) and op.of is None:
+            inputs.append(randn((3,)))
+    inputs += [randn((2, 3)), randn((3, 2))]
+
+    def fn(*args):
+        args = list(args)
+        x, w = args[-2:]
+        fresh = iter(args[:-2])
+        local, reduced, untagged, computed = [], [], [], []
+        for op in spec.ops:
+            if isinstance(op, Grad):
+                if op.source == "reuse":
+                    g = local[op.of]
+                elif op.source == "input":
+                    g = next(fresh)
+                else:
+                    g = next(fresh) * 2
+                    if op.source == "reduced":
+                        g = g + reduced[op.of].sum().to(g.dtype)
+                    elif op.source == "untagged":
+                        g = g + untagged[op.of].sum().to(g.dtype)
+                local.append(g)
+                reduced.append(
+                    ddp_fusion.all_reduce_gradient(
+                        g,
+                        groups[op.group],
+                        reduce_op=op.reduce_op,
+                        name=f"g{len(reduced)}",
+                        **spec.bucket_args[op.bucket],
+                    )
+                )
+            elif isinstance(op, Untagged):
+                t = next(fresh) if op.of is None else local[op.of]
+                untagged.append(fcol.all_reduce(t, "sum", groups[op.group]))
+            elif op.kind == "matmul":
+                computed.append(x @ w)
+            elif op.kind == "read":
+                computed.append(reduced[op.of] * 3)
+            else:
+                computed.append(local[op.of].sum())
+        return (*reduced, *untagged, *computed)
+
+    return fn, inputs
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def torch_rebuild_limits(bucket_cap_mb=None, bucket_cap_mb_list=None) -> list[int]:
+    """The limits torch DDP's reducer uses when it rebuilds buckets (as in
+    test_bucketing.py)."""
+    cfg = _BucketCapacityConfig.create(bucket_cap_mb, bucket_cap_mb_list, use_python_reducer=False)
+    _, for_rebuild = cfg.compute_bucket_size_limits(static_graph=False, find_unused_parameters=False)
+    return for_rebuild or [cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap]
+
+
+def _same_rule(a: list[int], b: list[int]) -> bool:
+    """[c] and [c, c] are one rule: the last limit repeats."""
+
+    def norm(limits):
+        limits = list(limits)
+        while len(limits) > 1 and limits[-1] == limits[-2]:
+            limits.pop()
+        return limits
+
+    return norm(a) == norm(b)
+
+
+@dataclasses.dataclass
+class Tagged:
+    """What the unfused graph says about one tagged all-reduce."""
+
+    name: str
+    ready: tuple[int, int]  # (position of its input, position of itself): ready order
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    key: BucketKey  # expected, from the spec
+    torch_limits: list[int]  # torch DDP's limits for its bucket arguments
+    reads: frozenset[str]  # tagged all-reduces whose *reduced* value its input reads
+
+
+def describe_unfused(gm: torch.fx.GraphModule, spec: GraphSpec) -> dict[str, Tagged]:
+    groups = process_groups()
+    by_name = {f"g{i}": g for i, g in enumerate(spec.grads)}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    reads: dict[torch.fx.Node, frozenset[str]] = {}
+    tagged: dict[str, Tagged] = {}
+    for node in gm.graph.nodes:
+        r = frozenset().union(*(reads[i] for i in node.all_input_nodes))
+        if node.target is ALL_REDUCE_GRADIENT:
+            grad_node, name = node.args[0], node.args[4]
+            op = by_name[name]
+            args = spec.bucket_args[op.bucket]
+            val = grad_node.meta["val"]
+            tagged[name] = Tagged(
+                name=name,
+                ready=(position[grad_node], position[node]),
+                shape=tuple(val.shape),
+                dtype=val.dtype,
+                key=BucketKey(
+                    groups[op.group].group_name,
+                    val.dtype,
+                    torch.device("cpu"),
+                    op.reduce_op,
+                    tuple(ddp_bucket_limits(**args)),
+                ),
+                torch_limits=torch_rebuild_limits(**args),
+                reads=reads[grad_node],
+            )
+            r = r | {name}
+        reads[node] = r
+    assert len(tagged) == len(spec.grads)
+    return tagged
+
+
+# --------------------------------------------------------------------------- properties
+
+
+def check_graph(gm: torch.fx.GraphModule) -> None:
+    gm.graph.lint()
+    gm.recompile()
+
+
+def check_partition(tagged: dict[str, Tagged], result, gm: torch.fx.GraphModule) -> None:
+    """Every tagged all-reduce in exactly one bucket; none left in the graph."""
+    assert result.unfused == []
+    names = [g.name for b in result.buckets for g in b.grads]
+    assert sorted(names) == sorted(tagged), "tagged all-reduces and bucket members differ"
+    assert not gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT)
+    assert all(b.grads for b in result.buckets), "empty bucket"
+
+
+def check_collectives(untagged_before: list, result, algorithm: str, gm) -> None:
+    """Untagged collectives untouched; one fused collective per bucket."""
+    nodes = list(gm.graph.nodes)
+    for node, args in untagged_before:
+        assert node in nodes and node.args == args, f"untagged {node} changed"
+    all_reduces = gm.graph.find_nodes(op="call_function", target=C10D.all_reduce.default)
+    coalesced = gm.graph.find_nodes(op="call_function", target=C10D.all_reduce_coalesced.default)
+    n = len(result.buckets)
+    if algorithm == "concat":
+        assert (len(all_reduces), len(coalesced)) == (len(untagged_before) + n, 0)
+    else:
+        assert (len(all_reduces), len(coalesced)) == (len(untagged_before), n)
+
+
+def check_keys(tagged: dict[str, Tagged], result) -> None:
+    """No bucket mixes group / dtype / device / reduce op / bucket arguments."""
+    for b in result.buckets:
+        for g in b.grads:
+            assert g.key == b.key, (g.name, g.key, b.key)
+            assert g.key == tagged[g.name].key, (g.name, g.key, tagged[g.name].key)
+
+
+def check_boundaries(tagged: dict[str, Tagged], result) -> None:
+    """Per key: torch's C++ bucketing in ready order, restarted after each cut; a cut
+    only right before a gradient that reads the reduced value of a member of the cut
+    bucket; no bucket holds a gradient that reads the reduced value of another member."""
+    keys = {b.key for b in result.buckets}
+    for key in keys:
+        ours = [[g.name for g in b.grads] for b in result.buckets if b.key == key]
+        cut = [b.cut_reason is not None for b in result.buckets if b.key == key]
+        order = sorted((t for t in tagged.values() if t.key == key), key=lambda t: t.ready)
+        limits = order[0].torch_limits
+        assert all(_same_rule(t.torch_limits, limits) for t in order)
+
+        for bucket in ours:
+            members = set(bucket)
+            for name in bucket:
+                assert not (tagged[name].reads & members), (
+                    f"{name} reads a reduced gradient of its own bucket {bucket}"
+                )
+
+        # Segments of the ready order between cuts, then the reference on each.
+        segments, start = [], 0
+        for i, (bucket, was_cut) in enumerate(zip(ours, cut)):
+            if not was_cut:
+                continue
+            assert i + 1 < len(ours), f"bucket {bucket} cut with no gradient after it"
+            nxt = ours[i + 1][0]
+            assert tagged[nxt].reads & set(bucket), (
+                f"bucket {bucket} cut before {nxt}, which reads none of its reduced values"
+            )
+            end = [t.name for t in order].index(nxt)
+            segments.append(order[start:end])
+            start = end
+        segments.append(order[start:])
+
+        expected: list[list[str]] = []
+        for segment in segments:
+            lim = limits[min(len(expected), len(limits) - 1) :]
+            tensors = [torch.empty(t.shape, dtype=t.dtype) for t in segment]
+            ref = _torch.compute_bucket_assignment_by_size(
+                tensors, lim, list(range(len(tensors)))
+            )
+            expected += [[segment[i].name for i in b] for b in ref]
+        assert ours == expected, f"key {key}: buckets {ours}, eager DDP's rule gives {expected}"
+
+
+def check_same_values(unfused, fused, inputs) -> None:
+    want = unfused(*[t.clone() for t in inputs])
+    got = fused(*[t.clone() for t in inputs])
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        # Bit-exact for every dtype: the pass only moves the division by the group size
+        # (by 1 or 2: exact) from the gradient to the flat buffer, and the collectives
+        # of the fake group return their input.
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m: f"output {i}: {m}")
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def trace(fn, inputs) -> torch.fx.GraphModule:
+    return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def check_fusion(spec: GraphSpec, algorithm: str, schedule_waits: bool) -> None:
+    fn, inputs = build(spec)
+    unfused, gm = trace(fn, inputs), trace(fn, inputs)
+    tagged = describe_unfused(gm, spec)
+    untagged = [
+        (n, n.args)
+        for n in gm.graph.find_nodes(op="call_function", target=C10D.all_reduce.default)
+    ]
+
+    result = fuse_ddp_allreduces(gm.graph, algorithm=algorithm, schedule_waits=schedule_waits)
+
+    check_graph(gm)
+    check_partition(tagged, result, gm)
+    check_collectives(untagged, result, algorithm, gm)
+    check_keys(tagged, result)
+    check_boundaries(tagged, result)
+    check_same_values(unfused, gm, inputs)
+
+
+given_graphs = given(
+    spec=graph_specs(),
+    algorithm=st.sampled_from(["concat", "coalesced"]),
+    schedule_waits=st.booleans(),
+)
+
+
+@pytest.mark.usefixtures("fake_pg")
+@settings(settings.get_profile(PROFILE))
+@given_graphs
+def test_fusion_properties(spec, algorithm, schedule_waits):
+    check_fusion(spec, algorithm, schedule_waits)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fake_pg")
+@settings(settings.get_profile("slow"))
+@given_graphs
+def test_fusion_properties_slow(spec, algorithm, schedule_waits):
+    check_fusion(spec, algorithm, schedule_waits)
