@@ -31,7 +31,7 @@ def plan_fingerprint(buckets: list[Bucket], group_name: str) -> str:
                 "dtype": str(b.key.dtype),
                 "device": b.key.device.type,
                 "reduce_op": b.key.reduce_op,
-                "comm_dtype": str(b.key.comm_dtype),
+                **({"comm_dtype": str(b.key.comm_dtype)} if b.key.comm_dtype else {}),
                 "bytes": b.nbytes,
                 "grads": [g.label for g in b.grads],
             }
