@@ -274,3 +274,32 @@ def test_dumps(tmp_path):
         ],
         "unfused": [],
     }
+
+
+@pytest.mark.usefixtures("fake_pg")
+@pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+def test_comm_dtype_casts_around_the_collective(algorithm):
+    """bf16 gradients reduced in fp32 (reduce_dtype): cast, divide, reduce, cast back;
+    gradients with another comm dtype go to another bucket."""
+
+    def fn(a, b, c):
+        return (
+            ddp_fusion.all_reduce_gradient(a, comm_dtype=torch.float32),
+            ddp_fusion.all_reduce_gradient(b, comm_dtype=torch.float32),
+            ddp_fusion.all_reduce_gradient(c),
+        )
+
+    args = [torch.randn(5, dtype=torch.bfloat16) for _ in range(3)]
+    gm = trace(fn, *args)
+    result = fuse(gm, algorithm=algorithm)
+    assert sorted(len(b.grads) for b in result.buckets) == [1, 2]
+    (fp32_bucket,) = [b for b in result.buckets if b.key.comm_dtype == torch.float32]
+    assert len(fp32_bucket.grads) == 2
+    op = "all_reduce_coalesced" if algorithm == "coalesced" else "all_reduce.default"
+    FileCheck().check("convert_element_type.default").check("torch.float32").check(
+        "div"
+    ).check(op).check("wait_tensor").check("convert_element_type.default").check(
+        "torch.bfloat16"
+    ).run(gm.code)
+    for got, x in zip(gm(*args), args):  # fake group of 2: the mean halves
+        torch.testing.assert_close(got, (x.float() / 2).to(torch.bfloat16), rtol=0, atol=0)
