@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -412,6 +411,3 @@ def rank_main(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any
                                                for m in batches},
             "num_tensors": {m: sum(1 for _ in make_model(m).parameters()) for m in batches}}
 
-
-def nan_safe(x: float) -> float | None:
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x

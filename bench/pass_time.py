@@ -14,10 +14,11 @@ gradient (``g = dh + i``) split off per step and all-reduced. For ours the all-r
 ``all_reduce(g / 2, "sum", group)`` + ``wait_tensor`` that upstream's pass matches. Graphs
 are traced with ``make_fx(tracing_mode="fake")`` on a fake process group of 2 ranks.
 
-Only the pass call is timed (``time.perf_counter``); every measurement gets a freshly
-traced graph. The best of ``--repeats`` runs is kept, except that a run over 10 s is
-not repeated. The number of collectives left in the graph is reported so that one can
-see each pass really fused.
+Only the pass call is timed: wall time (``time.perf_counter``), and this process's CPU
+time (``time.process_time``), which other processes on a busy machine disturb less.
+Every measurement gets a freshly traced graph. The best of ``--repeats`` runs is kept
+(by wall time), except that a run over 10 s is not repeated. The number of collectives
+left in the graph is reported so that one can see each pass really fused.
 
     cd /work/main && python -m bench.pass_time                 # N = 100 ... 3200
     python -m bench.pass_time --quick                          # N = 100, 200, 400
@@ -124,27 +125,29 @@ def run_upstream(gm: torch.fx.GraphModule) -> None:
 
 def measure(label: str, n: int, trace, run_pass, repeats: int) -> dict:
     """Best time of ``run_pass`` over fresh graphs, and the collectives before/after."""
-    times = []
+    times, cpu_times = [], []
     for _ in range(repeats):
         gm = trace(n)
         before = count_collectives(gm.graph)
         gc.collect()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         run_pass(gm)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         gm.graph.lint()
         after = count_collectives(gm.graph)
         del gm
         if times[-1] > SLOW_S:
             break
-    best = min(times)
+    best = min(range(len(times)), key=times.__getitem__)
     print(
-        f"  N={n:5d} {label:<17s} {best * 1e3:10.1f} ms  "
-        f"(runs: {', '.join(f'{t * 1e3:.1f}' for t in times)} ms)  "
+        f"  N={n:5d} {label:<17s} {times[best] * 1e3:10.1f} ms (cpu {cpu_times[best] * 1e3:.1f})  "
+        f"runs: {', '.join(f'{t * 1e3:.1f}' for t in times)} ms  "
         f"collectives {before} -> {after}",
         flush=True,
     )
-    return {"ms": best * 1e3, "runs_ms": [t * 1e3 for t in times],
+    return {"ms": times[best] * 1e3, "cpu_ms": cpu_times[best] * 1e3,
+            "runs_ms": [t * 1e3 for t in times], "runs_cpu_ms": [t * 1e3 for t in cpu_times],
             "collectives_before": before, "collectives_after": after}
 
 
@@ -183,19 +186,38 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def growth(rows: list[dict]) -> dict[str, float]:
-    """time(N_max) / time(N_max / 4) per pass, where both were measured (linear: ~4)."""
+def growth(rows: list[dict]) -> dict:
+    """time(N_max) / time(N_max / 4) per pass, wall and CPU, where both sizes were
+    measured (linear: ~4, quadratic: ~16)."""
     by_n = {r["n"]: r for r in rows}
     hi = max(by_n)
     lo = hi // 4
     if lo not in by_n or hi % 4:
         return {}
-    ratios = {"from_n": lo, "to_n": hi}
+    ratios: dict = {"from_n": lo, "to_n": hi}
     for key in ("ours_concat", "ours_coalesced", "upstream_concat"):
         a, b = by_n[lo][key], by_n[hi][key]
         if a and b:
-            ratios[key] = b["ms"] / a["ms"]
+            ratios[key] = {"wall": b["ms"] / a["ms"], "cpu": b["cpu_ms"] / a["cpu_ms"]}
     return ratios
+
+
+def provenance() -> dict:
+    """Which ddp_fusion was measured: its path and, if it is this checkout's, the git
+    commit and whether ddp_fusion/ had uncommitted changes."""
+    path = os.path.dirname(os.path.abspath(ddp_fusion.__file__))
+    repo = os.path.dirname(path)
+    info = {"ddp_fusion_path": path}
+
+    def git(*cmd):
+        return subprocess.run(["git", "-C", repo, *cmd], capture_output=True, text=True)
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode == 0:
+        info["git_head"] = head.stdout.strip()
+        info["ddp_fusion_uncommitted_changes"] = bool(
+            git("status", "--porcelain", "--", "ddp_fusion").stdout.strip())
+    return info
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,8 +238,11 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("fake", store=ddp_fusion._torch.fake_store(),
                                 rank=0, world_size=2)
 
-    print(f"torch {torch.__version__}, {cpu_model()}, {os.cpu_count()} CPUs; "
-          f"{SHAPE[0]}x{SHAPE[1]} fp32 gradients (4 MB), best of {args.repeats}", flush=True)
+    source = provenance()
+    load_before = os.getloadavg()
+    print(f"torch {torch.__version__}, {cpu_model()}, {os.cpu_count()} CPUs, "
+          f"load average {load_before[0]:.2f}; {SHAPE[0]}x{SHAPE[1]} fp32 gradients (4 MB), "
+          f"best of {args.repeats}; ddp_fusion from {source}", flush=True)
     rows = []
     for n in sizes:
         row = {
@@ -244,7 +269,10 @@ def main(argv: list[str] | None = None) -> None:
               "(linear ~4, quadratic ~16):")
         for key in ("ours_concat", "ours_coalesced", "upstream_concat"):
             if key in ratios:
-                print(f"  {key:<16s} {ratios[key]:.1f}")
+                print(f"  {key:<16s} wall {ratios[key]['wall']:.1f}, cpu {ratios[key]['cpu']:.1f}")
+    load_after = os.getloadavg()
+    print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+          f"on {os.cpu_count()} CPUs")
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -254,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
             "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
+            "load_average_1min": {"before": load_before[0], "after": load_after[0]},
+            **source,
             "gradient_shape": list(SHAPE),
             "upstream_bucket_mb": UPSTREAM_BUCKET_MB,
             "repeats": args.repeats,

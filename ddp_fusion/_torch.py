@@ -110,3 +110,8 @@ def disable_compiled_autograd() -> AbstractContextManager[None]:
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward pass has finished (call from a hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def current_backward_id() -> int:
+    """An id of the running backward pass (-1 outside one); differs between passes."""
+    return torch._C._current_graph_task_id()

@@ -61,7 +61,7 @@ class EagerReducer:
         self.find_unused_parameters = find_unused_parameters
         self.rebuilt = False
         self._build(list(reversed(range(len(self.params)))))
-        self._in_backward = False
+        self._backward_id: int | None = None
 
     # -- bucket assignment ---------------------------------------------------------
     def _build(self, order: list[int]) -> None:
@@ -95,7 +95,9 @@ class EagerReducer:
 
     # -- per backward --------------------------------------------------------------
     def _start_backward(self) -> None:
-        self._in_backward = True
+        # Keyed by the autograd pass, not a flag: if a backward fails halfway (its end
+        # callback never runs), the next one still starts from a clean state.
+        self._backward_id = _torch.current_backward_id()
         self._next = 0
         self._ready: list[int] = []
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
@@ -106,7 +108,7 @@ class EagerReducer:
 
     def grad_ready(self, index: int) -> None:
         """Called by parameter ``index``'s post-accumulate-grad hook."""
-        if not self._in_backward:
+        if self._backward_id != _torch.current_backward_id():
             self._start_backward()
         b, offset = self.bucket_of[index]
         bucket = self.buckets[b]
@@ -126,7 +128,7 @@ class EagerReducer:
             self._next += 1
 
     def _finish_backward(self) -> None:
-        self._in_backward = False
+        self._backward_id = None
         missing = [i for b in self.buckets if b.pending for i, _ in self._unready(b)]
         for b in self.buckets:
             for i, offset in self._unready(b):

@@ -119,3 +119,42 @@ def test_warns_once_when_enabled_but_backward_not_compiled(caplog):
                 ddp(torch.randn(4, 3)).sum().backward()
     assert counters["ddp_fusion"]["unfused: compiled autograd not active"] == 4  # 2 params x 2
     assert sum("outside compiled autograd" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_failed_backward_leaves_the_reducer_usable():
+    """A backward that raises after some gradients were reduced (its end-of-backward
+    callback never runs); the next step must still reduce every gradient."""
+
+    class FailOnce(torch.autograd.Function):
+        fail = True
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            if FailOnce.fail:
+                FailOnce.fail = False
+                raise RuntimeError("injected failure")
+            return g
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    ddp = ddp_fusion.DistributedDataParallel(net, bucket_cap_mb=0)  # a bucket per grad
+    x = torch.randn(4, 3)
+
+    def loss():
+        return ddp.module[1](FailOnce.apply(ddp.module[0](x))).sum()
+
+    with pytest.raises(RuntimeError, match="injected failure"):
+        loss().backward()  # layer 1's gradients were reduced, layer 0's never came
+    for p in net.parameters():
+        p.grad = None
+    loss().backward()
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    ref.load_state_dict(net.state_dict())
+    ref(x).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):  # fake group of 2: halved
+        torch.testing.assert_close(p.grad, q.grad / 2)
