@@ -4,19 +4,17 @@ Kept out of ``bench/step_time.py`` because under ``python -m bench.step_time`` t
 module is ``__main__``, and ``spawn`` pickles the rank function by module name.
 
 Every mode is a :class:`Mode`: ``context()`` sets (and on exit restores) the global
-configuration the mode needs, ``build(cap)`` makes a fresh model from the same seed and
-returns ``(step_fn, params)``. One *round* runs every mode once, in order:
-``torch._dynamo.reset()``, build, warm-up steps (compiles; timed as a whole), timed
-steps (``dist.barrier()`` before each, ``time.perf_counter``), one profiled step to
-count collectives. Rounds repeat, so machine drift hits every mode alike. Round 1
-compiles from an empty Inductor cache (the parent points ``TORCHINDUCTOR_CACHE_DIR`` at
-a fresh directory); later rounds re-trace but mostly hit the FX graph cache.
+configuration the mode needs, ``wrap(model, cap)`` wraps (and compiles) a fresh model
+built from the same seed. Each (model, mode, cap) job runs in its own pair of rank
+processes (:func:`mode_worker`), which stay alive, compiled, between the parent's
+commands; so the parent can time the jobs round-robin without recompiling, and no
+compiled code, Dynamo / compiled-autograd cache or config leaks from one mode into
+another.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -284,10 +282,6 @@ def _count_collectives(step: Callable[[], None]) -> dict[str, int]:
     return counts
 
 
-def _flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
 def _stats_snapshot() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
@@ -297,117 +291,88 @@ def _stats_snapshot() -> dict[str, int]:
     }
 
 
-def _run_one(model_name: str, mode: Mode, cap: float | None, warmup: int, steps: int,
-             batches: list, reference: torch.Tensor | None) -> dict[str, Any]:
-    torch._dynamo.reset()
-    gc.collect()
-    out: dict[str, Any] = {}
-    with mode.context():
-        if isinstance(mode, CommOnly):
-            numel = sum(p.numel() for p in make_model(model_name).parameters())
-            flat = torch.randn(numel)
-
-            def step() -> None:
-                dist.all_reduce(flat)
-
-            out["grad_bytes"] = numel * 4
-        else:
-            model = mode.wrap(make_model(model_name), cap)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            it = iter(range(10**9))
-
-            def step() -> None:
-                x, y = batches[next(it) % len(batches)]
-                opt.zero_grad(set_to_none=False)
-                loss_fn(model_name, model(x), y).backward()
-                opt.step()
-
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(warmup):
-            step()
-        dist.barrier()
-        out["warmup_s"] = time.perf_counter() - t0
-        before = _stats_snapshot()
-        times = []
-        for _ in range(steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        after = _stats_snapshot()
-        out["times_ms"] = [1e3 * t for t in times]
-        out["recompiles_during_timing"] = {k: after[k] - before[k] for k in after}
-        dist.barrier()
-        out["collectives"] = _count_collectives(step)
-        if not isinstance(mode, CommOnly):
-            params = _flat_params(model)
-            out["params"] = params
-            if reference is not None and mode.comm:
-                out["max_param_diff"] = (params - reference).abs().max().item()
-            del model, opt
-    torch._dynamo.reset()
-    gc.collect()
-    return out
-
-
 def _short(e: BaseException) -> str:
     first = (str(e).strip().splitlines() or [""])[0]
     return f"{type(e).__name__}: {first[:160]}"
 
 
-def rank_main(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
-    """Run ``plan["jobs"]`` (list of (model, mode, cap)) round-robin for
-    ``plan["rounds"]`` rounds. Returns per-job records for this rank."""
-    torch.set_num_threads(1)
-    modes = all_modes()
-    log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
-    batches = {m: make_batches(m, rank, 4) for m in {j[0] for j in plan["jobs"]}}
-    records: dict[str, dict[str, Any]] = {}
-    failed: dict[str, str] = {}
-    t_start = time.perf_counter()
-    with torch._inductor.config.patch(compile_threads=1):
-        for r in range(plan["rounds"]):
-            reference: dict[tuple[str, Any], torch.Tensor] = {}
-            for model_name, mode_name, cap in plan["jobs"]:
-                key = f"{model_name}|{mode_name}|{cap}"
-                rec = records.setdefault(key, {"model": model_name, "mode": mode_name, "cap": cap,
-                                               "times_ms": [], "warmup_s": [],
-                                               "recompiles_during_timing": []})
-                if key in failed:
-                    continue
-                mode = modes[mode_name]
-                t0 = time.perf_counter()
-                try:
-                    res = _run_one(model_name, mode, cap, plan["warmup"], plan["steps"],
-                                   batches[model_name], reference.get((model_name, cap)))
-                except Exception as e:  # noqa: BLE001 - reported in the table
-                    failed[key] = _short(e)
-                    rec["failed"] = failed[key]
-                    rec["traceback"] = traceback.format_exc()
-                    log(f"  [round {r + 1}] {model_name:4s} {mode_name:34s} cap={cap}: FAILED "
-                        f"{failed[key]}")
-                    with contextlib.suppress(Exception):
-                        torch._dynamo.reset()
-                    gc.collect()
-                    dist.barrier()
-                    continue
-                params = res.pop("params", None)
-                if mode_name == "eager_ddp":
-                    reference[(model_name, cap)] = params
-                rec["times_ms"].append(res["times_ms"])
-                rec["warmup_s"].append(res["warmup_s"])
-                rec["recompiles_during_timing"].append(res["recompiles_during_timing"])
-                rec["collectives"] = res["collectives"]
-                if "max_param_diff" in res:
-                    rec["max_param_diff"] = res["max_param_diff"]
-                if "grad_bytes" in res:
-                    rec["grad_bytes"] = res["grad_bytes"]
-                med = sorted(res["times_ms"])[len(res["times_ms"]) // 2]
-                log(f"  [round {r + 1}/{plan['rounds']}, {time.perf_counter() - t_start:6.0f} s] "
-                    f"{model_name:4s} {mode_name:34s} cap={cap}: warm-up {res['warmup_s']:5.1f} s, "
-                    f"rank0 median {med:7.2f} ms, job {time.perf_counter() - t0:5.1f} s")
-    return {"records": records, "num_params": {m: sum(p.numel() for p in make_model(m).parameters())
-                                               for m in batches},
-            "num_tensors": {m: sum(1 for _ in make_model(m).parameters()) for m in batches}}
+def _build(model_name: str, mode: Mode, cap: float | None, batches: list):
+    """``(step, model)`` for ``mode``; ``model`` is None for comm_only."""
+    if isinstance(mode, CommOnly):
+        numel = sum(p.numel() for p in make_model(model_name).parameters())
+        flat = torch.randn(numel)
+        return (lambda: dist.all_reduce(flat)), None
+    model = mode.wrap(make_model(model_name), cap)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    count = [0]
 
+    def step() -> None:
+        x, y = batches[count[0] % len(batches)]
+        count[0] += 1
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model_name, model(x), y).backward()
+        opt.step()
+
+    return step, model
+
+
+def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
+                cap: float | None, cmd_queues: list, res_queue: Any) -> None:
+    """One rank of one (model, mode, cap) job, kept alive between commands so that its
+    compiled code survives while other jobs (other processes) are timed.
+
+    Commands (from the parent, one per rank): ``("warmup", n)``, ``("time", n)``,
+    ``("profile", None)``, ``("params", None)``, ``("stop", None)``. Each is answered
+    with ``(rank, "ok", value)`` on ``res_queue``; an exception with
+    ``(rank, "error", (short, traceback))``, after which the rank exits.
+    """
+    torch.set_num_threads(1)
+    mode = all_modes()[mode_name]
+    batches = make_batches(model_name, rank, 4)
+    try:
+        with torch._inductor.config.patch(compile_threads=1), mode.context():
+            torch._dynamo.reset()
+            step, model = _build(model_name, mode, cap, batches)
+            res_queue.put((rank, "ok", "ready"))
+            while True:
+                cmd, arg = cmd_queues[rank].get()
+                if cmd == "stop":
+                    res_queue.put((rank, "ok", None))
+                    break
+                if cmd == "warmup":
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(arg):
+                        step()
+                    dist.barrier()
+                    value: Any = time.perf_counter() - t0
+                elif cmd == "time":
+                    before = _stats_snapshot()
+                    times = []
+                    for _ in range(arg):
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        step()
+                        times.append(1e3 * (time.perf_counter() - t0))
+                    after = _stats_snapshot()
+                    value = {"times_ms": times,
+                             "recompiles": {k: after[k] - before[k] for k in after}}
+                elif cmd == "profile":
+                    dist.barrier()
+                    value = _count_collectives(step)
+                elif cmd == "params":
+                    value = None if model is None else torch.cat(
+                        [p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+                res_queue.put((rank, "ok", value))
+    except Exception as e:
+        res_queue.put((rank, "error", (_short(e), traceback.format_exc())))
+        raise
+    finally:
+        torch._dynamo.reset()
+
+
+def model_info(model_name: str) -> dict[str, int]:
+    params = list(make_model(model_name).parameters())
+    return {"num_params": sum(p.numel() for p in params), "num_tensors": len(params)}

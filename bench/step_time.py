@@ -18,15 +18,17 @@ Modes (each trains a fresh copy of the same model, same seed, same data, same bu
   ``comm_only`` (one ``all_reduce`` of a flat tensor of all gradient bytes). Lower
   bound = max of the two medians; efficiency = bound / mode's median.
 
-Modes run round-robin for several rounds (every round: ``torch._dynamo.reset()``, fresh
-model, warm-up, timed steps), so drift on the (shared) machine hits all modes alike.
-A step is zero_grad, forward, loss, backward, SGD step; each timed step starts after a
+Each (model, mode, cap) job runs on its own pair of rank processes, which stay alive
+(compiled) for the whole run: jobs are started and warmed up (compiled) one after
+another, then timed round-robin for several rounds (the starting job rotates each
+round), so drift on the (shared) machine hits all modes alike, and no compiled code or
+global setting leaks from one mode into another. A step is zero_grad, forward, loss, backward, SGD step; each timed step starts after a
 ``dist.barrier()``, and the time of a step is the max over ranks. All-reduces per step
 are counted with ``torch.profiler`` (``gloo:*`` events) over one extra step. After the
 run each mode's parameters are compared with eager DDP's (same data, same steps).
 
     python -m bench.step_time                  # both models, default buckets
-    python -m bench.step_time --quick          # 2 rounds x 5 steps
+    python -m bench.step_time --quick          # 2 rounds x 5 timed steps (default 6 x 5)
     python -m bench.step_time --model mlp --modes eager_ddp,ddp_fusion_concat
     python -m bench.step_time --sweep 1,5,25   # eager + ddp_fusion over bucket caps, PNG
 
@@ -37,18 +39,22 @@ Writes a table per model to stdout and ``bench/out/step_time.json``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import queue
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
-from bench._step_time_worker import MODELS, all_modes, rank_main
+from bench._step_time_worker import MODELS, all_modes, model_info, mode_worker
 from ddp_fusion.launch import run_ranks
 
 OUT_DIR = os.path.join(os.path.dirname(__file__), "out")
@@ -75,48 +81,151 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _merge(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per job: step time = max over ranks per step; failures from any rank."""
-    merged: dict[str, dict[str, Any]] = {}
-    for key, rec0 in per_rank[0]["records"].items():
-        recs = [pr["records"].get(key, {}) for pr in per_rank]
-        out: dict[str, Any] = {k: rec0[k] for k in ("model", "mode", "cap")}
-        fails = [r.get("failed") for r in recs if r.get("failed")]
-        if fails:
-            out["failed"] = fails[0]
-            out["traceback"] = next(r["traceback"] for r in recs if r.get("traceback"))
-        rounds = min(len(r.get("times_ms", [])) for r in recs)
-        steps: list[float] = []
-        for i in range(rounds):
-            steps += [max(ts) for ts in zip(*(r["times_ms"][i] for r in recs))]
-        out["rounds_done"] = rounds
-        out["step_ms_all"] = steps
-        if steps:
-            out["median_ms"] = statistics.median(steps)
-            out["p10_ms"] = _pct(steps, 0.1)
-            out["p90_ms"] = _pct(steps, 0.9)
-            out["min_ms"] = min(steps)
-            out["max_ms"] = max(steps)
-            out["round_medians_ms"] = [
-                statistics.median(max(ts) for ts in zip(*(r["times_ms"][i] for r in recs)))
-                for i in range(rounds)
-            ]
-            warm = [max(ws) for ws in zip(*(r["warmup_s"] for r in recs))]
-            out["compile_s"] = warm[0]
-            out["rewarm_s"] = statistics.median(warm[1:]) if len(warm) > 1 else None
-            out["collectives"] = rec0.get("collectives", {})
-            out["recompiles_during_timing"] = [
-                {k: max(r["recompiles_during_timing"][i][k] for r in recs) for k in
-                 recs[0]["recompiles_during_timing"][i]}
-                for i in range(rounds)
-            ]
-            diffs = [r["max_param_diff"] for r in recs if "max_param_diff" in r]
-            if diffs:
-                out["max_param_diff"] = max(diffs)
-            if "grad_bytes" in rec0:
-                out["grad_bytes"] = rec0["grad_bytes"]
-        merged[key] = out
-    return merged
+class JobFailed(Exception):
+    pass
+
+
+class Job:
+    """One (model, mode, cap) on its own 2 rank processes, driven by commands."""
+
+    def __init__(self, model: str, mode: str, cap: Any, pg_timeout: float) -> None:
+        self.model, self.mode, self.cap = model, mode, cap
+        self.key = f"{model}|{mode}|{cap}"
+        ctx = mp.get_context("spawn")
+        self.cmd = [ctx.Queue(), ctx.Queue()]
+        self.res = ctx.Queue()
+        self.error: str | None = None
+        self.failed: str | None = None
+        self.traceback: str | None = None
+        self.rec: dict[str, Any] = {"model": model, "mode": mode, "cap": cap, "times_ms": [],
+                                    "round_medians_ms": [], "recompiles_during_timing": []}
+        self.thread = threading.Thread(target=self._run, args=(pg_timeout,), daemon=True)
+
+    def _run(self, pg_timeout: float) -> None:
+        try:
+            run_ranks(mode_worker, world_size=2,
+                      args=(self.model, self.mode, self.cap, self.cmd, self.res),
+                      timeout=10**6, threads_per_rank=1, pg_timeout=pg_timeout)
+        except Exception as e:  # noqa: BLE001 - surfaced by _replies
+            self.error = str(e)
+
+    def start(self, timeout: float) -> None:
+        self.thread.start()
+        self._replies(timeout)
+
+    def ask(self, cmd: str, arg: Any = None, timeout: float = 1800.0) -> list[Any]:
+        for q in self.cmd:
+            q.put((cmd, arg))
+        return self._replies(timeout)
+
+    def _replies(self, timeout: float) -> list[Any]:
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < 2:
+            try:
+                rank, status, value = self.res.get(timeout=1.0)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise JobFailed(self._fail("ranks exited", self.error or "no error text"))
+                if time.monotonic() > deadline:
+                    raise JobFailed(self._fail(f"no reply within {timeout:.0f} s", ""))
+                continue
+            if status == "error":
+                raise JobFailed(self._fail(value[0], value[1]))
+            got[rank] = value
+        return [got[0], got[1]]
+
+    def _fail(self, short: str, tb: str) -> str:
+        self.failed, self.traceback = short, tb
+        return short
+
+    def stop(self) -> None:
+        if self.failed is None:
+            with contextlib.suppress(JobFailed):
+                self.ask("stop", timeout=120)
+        self.thread.join(timeout=30)
+
+
+def _stats(steps: list[float]) -> dict[str, float]:
+    return {"median_ms": statistics.median(steps), "p10_ms": _pct(steps, 0.1),
+            "p90_ms": _pct(steps, 0.9), "min_ms": min(steps), "max_ms": max(steps)}
+
+
+def _run_model_jobs(specs: list[tuple[str, str, Any]], rounds: int, steps: int, warmup: int,
+                    pg_timeout: float) -> dict[str, dict[str, Any]]:
+    """Compile every job once (one after the other), then time them round-robin."""
+    jobs = [Job(m, mode, cap, pg_timeout) for m, mode, cap in specs]
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"  [{time.perf_counter() - t_start:6.0f} s] {msg}", flush=True)
+
+    def guard(job: Job, what: str, fn):
+        try:
+            return fn()
+        except JobFailed as e:
+            log(f"{job.key}: FAILED during {what}: {e}")
+            job.stop()
+            return None
+
+    try:
+        for job in jobs:
+            t0 = time.perf_counter()
+            if guard(job, "start", lambda: job.start(timeout=1800)) is None and job.failed:
+                continue
+            job.rec["startup_s"] = time.perf_counter() - t0
+            w = guard(job, "warm-up", lambda: job.ask("warmup", warmup))
+            if w is None:
+                continue
+            job.rec["compile_s"] = max(w)
+            log(f"{job.key:52s} started in {job.rec['startup_s']:5.1f} s, "
+                f"warm-up ({warmup} steps, compiles) {job.rec['compile_s']:6.1f} s")
+        for r in range(rounds):
+            order = jobs[r % len(jobs):] + jobs[: r % len(jobs)]  # rotate start each round
+            line = []
+            for job in order:
+                if job.failed:
+                    continue
+                res = guard(job, f"round {r + 1}", lambda: job.ask("time", steps))
+                if res is None:
+                    continue
+                per_step = [max(a, b) for a, b in zip(res[0]["times_ms"], res[1]["times_ms"])]
+                job.rec["times_ms"] += per_step
+                job.rec["round_medians_ms"].append(statistics.median(per_step))
+                job.rec["recompiles_during_timing"].append(
+                    {k: max(res[0]["recompiles"][k], res[1]["recompiles"][k]) for k in res[0]["recompiles"]})
+                line.append(f"{job.mode}={statistics.median(per_step):.1f}")
+            log(f"round {r + 1}/{rounds} medians ms: " + ", ".join(line))
+        reference = {}
+        for job in jobs:
+            if job.failed:
+                continue
+            c = guard(job, "profile", lambda: job.ask("profile"))
+            if c is not None:
+                job.rec["collectives"] = c[0]
+            p = guard(job, "params", lambda: job.ask("params"))
+            if p is not None and p[0] is not None:
+                job.rec["_params"] = p
+                if job.mode == "eager_ddp":
+                    reference[(job.model, job.cap)] = p[0]
+        for job in jobs:
+            p = job.rec.pop("_params", None)
+            ref = reference.get((job.model, job.cap))
+            if p is not None and ref is not None and job.mode not in BOUNDS:
+                job.rec["max_param_diff"] = float(max(abs(x - ref).max() for x in p))
+                job.rec["max_param_diff_between_ranks"] = float(abs(p[0] - p[1]).max())
+    finally:
+        for job in jobs:
+            job.stop()
+    out = {}
+    for job in jobs:
+        rec = job.rec
+        if job.failed:
+            rec["failed"], rec["traceback"] = job.failed, job.traceback
+        if rec["times_ms"]:
+            rec.update(_stats(rec["times_ms"]))
+        out[job.key] = rec
+    return out
 
 
 def _fmt_collectives(c: dict[str, int]) -> str:
@@ -139,7 +248,7 @@ def _table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[str, 
         bound = max(bound_parts[b] for b in BOUNDS)
     eager = next((j.get("median_ms") for j in rows if j["mode"] == "eager_ddp"), None)
     head = (f"{'mode':<34}{'median ms':>10}{'p10-p90 ms':>16}{'min-max ms':>16}{'eff.':>6}"
-            f"{'x eager':>8}{'all-reduces/step':>22}{'compile s':>10}{'rewarm s':>9}"
+            f"{'x eager':>8}{'all-reduces/step':>22}{'compile s':>10}"
             f"{'max |dp| vs eager':>19}")
     lines = [head, "-" * len(head)]
     summary: dict[str, Any] = {"bound_ms": bound, "bounds": bound_parts, "rows": {}}
@@ -152,17 +261,15 @@ def _table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[str, 
         eff = bound / j["median_ms"] if bound else None
         rel = j["median_ms"] / eager if eager else None
         diff = j.get("max_param_diff")
-        rew = j.get("rewarm_s")
         recomp = any(v for rc in j["recompiles_during_timing"] for v in rc.values())
         lines.append(
             f"{name:<34}{j['median_ms']:>10.2f}{j['p10_ms']:>8.2f}-{j['p90_ms']:<7.2f}"
             f"{j['min_ms']:>8.2f}-{j['max_ms']:<7.2f}"
             f"{(f'{eff:.2f}' if eff else '-'):>6}{(f'{rel:.2f}' if rel else '-'):>8}"
-            f"{_fmt_collectives(j['collectives']):>22}{j['compile_s']:>10.1f}"
-            f"{(f'{rew:.1f}' if rew is not None else '-'):>9}"
+            f"{_fmt_collectives(j.get('collectives', {})):>22}{j.get('compile_s', float('nan')):>10.1f}"
             f"{(f'{diff:.2e}' if diff is not None else 'n/a'):>19}"
             + ("  (recompiled while timed!)" if recomp else "")
-            + (f"  (failed in a later round: {j['failed']})" if j.get("failed") else "")
+            + (f"  (failed later: {j['failed']})" if j.get("failed") else "")
         )
         summary["rows"][name] = {"median_ms": j["median_ms"], "efficiency": eff, "x_eager": rel}
     if bound:
@@ -216,18 +323,18 @@ def main() -> None:
     parser.add_argument("--sweep", default=None,
                         help="comma-separated caps, e.g. 1,5,25: run eager_ddp and ddp_fusion "
                              "over them (+ bounds) and plot")
-    parser.add_argument("--rounds", type=int, default=None, help="default 4 (quick: 2)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per round, default 8 (quick: 5)")
+    parser.add_argument("--rounds", type=int, default=None, help="default 6 (quick: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per round, default 5")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps")
     parser.add_argument("--cache-dir", default=None,
                         help="TORCHINDUCTOR_CACHE_DIR for the ranks (default: a fresh temp dir, "
-                             "so round 1 compiles cold)")
-    parser.add_argument("--timeout", type=float, default=3600.0)
+                             "so every job compiles cold)")
+    parser.add_argument("--pg-timeout", type=float, default=900.0)
     args = parser.parse_args()
 
-    rounds = args.rounds or (2 if args.quick else 4)
-    steps = args.steps or (5 if args.quick else 8)
+    rounds = args.rounds or (2 if args.quick else 6)
+    steps = args.steps or 5
     models = ["mlp", "gpt"] if args.model == "all" else [args.model]
     known = list(all_modes())
     if args.sweep:
@@ -239,11 +346,11 @@ def main() -> None:
     bad = [m for m in modes if m not in known]
     if bad:
         parser.error(f"unknown modes {bad}; known: {known}")
-    jobs = []
+    specs: dict[str, list[tuple[str, str, Any]]] = {}
     for model in models:
-        for cap in caps:
-            jobs += [(model, m, cap) for m in modes if m not in BOUNDS]
-        jobs += [(model, m, None) for m in BOUNDS if args.sweep or m in modes]
+        specs[model] = [(model, m, cap) for cap in caps for m in modes if m not in BOUNDS]
+        specs[model] += [(model, m, None) for m in BOUNDS if args.sweep or m in modes]
+    njobs = sum(len(v) for v in specs.values())
 
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="step_time_inductor_cache_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -255,6 +362,8 @@ def main() -> None:
         "threads_per_rank": 1,
         "rounds": rounds,
         "timed_steps_per_round": steps,
+        "layout": "one process pair per job, kept alive; jobs compiled one after another, "
+                  "then timed round-robin (start rotated each round)",
         "warmup_steps": args.warmup,
         "bucket_cap_mb": args.bucket_cap_mb,
         "sweep": caps if args.sweep else None,
@@ -263,26 +372,25 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     print(f"bench.step_time: torch {meta['torch']}, {meta['machine']}, 2 gloo ranks x 1 thread; "
-          f"{len(jobs)} jobs x {rounds} rounds x ({args.warmup} warm-up + {steps} timed + 1 profiled) "
-          f"steps; Inductor cache {cache_dir}", flush=True)
-    for m in models:
-        print(f"  {m}: {MODELS[m]['desc']}", flush=True)
-    plan = {"jobs": jobs, "rounds": rounds, "steps": steps, "warmup": args.warmup}
+          f"{njobs} jobs, each: {args.warmup} warm-up steps, then {rounds} rounds x {steps} timed "
+          f"steps (round-robin over jobs), 1 profiled step; Inductor cache {cache_dir}", flush=True)
     t0 = time.perf_counter()
-    per_rank = run_ranks(rank_main, world_size=2, args=(plan,), timeout=args.timeout,
-                         threads_per_rank=1, pg_timeout=600)
+    merged: dict[str, dict[str, Any]] = {}
+    meta["model_info"] = {}
+    for model in models:
+        meta["model_info"][model] = model_info(model)
+        print(f"\n{model}: {MODELS[model]['desc']} -- compiling {len(specs[model])} jobs one after "
+              f"another, then timing them round-robin", flush=True)
+        merged.update(_run_model_jobs(specs[model], rounds, steps, args.warmup, args.pg_timeout))
     meta["wall_s"] = time.perf_counter() - t0
-    meta["num_params"] = per_rank[0]["num_params"]
-    meta["num_param_tensors"] = per_rank[0]["num_tensors"]
-    merged = _merge(per_rank)
 
     result: dict[str, Any] = {"meta": meta, "jobs": merged, "tables": {}}
     for model in models:
         for cap in caps:
             text, summary = _table(model, merged, cap)
             cap_s = "torch default (1 MiB first bucket, then 25 MiB)" if cap is None else f"{cap:g} MiB"
-            print(f"\n== {model}: {MODELS[model]['desc']}; {meta['num_params'][model]:,} params in "
-                  f"{meta['num_param_tensors'][model]} tensors; bucket cap {cap_s} ==")
+            print(f"\n== {model}: {MODELS[model]['desc']}; {meta['model_info'][model]['num_params']:,} params in "
+                  f"{meta['model_info'][model]['num_tensors']} tensors; bucket cap {cap_s} ==")
             print(text)
             result["tables"][f"{model}|{cap}"] = {"text": text, **summary}
     failures = {k: j["failed"] for k, j in merged.items() if j.get("failed")}

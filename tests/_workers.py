@@ -209,3 +209,24 @@ def training_semantics(rank, world_size):
         ),
     }
     return out
+
+
+def peer_dies_mid_step(rank, world_size, compiled):
+    """Rank 1 leaves after the forward; rank 0's backward must raise (not hang).
+    Returns (error type, seconds until the error) on rank 0."""
+    import time
+
+    with ddp_fusion.config.patch(enabled=compiled):
+        ddp = ddp_fusion.DistributedDataParallel(mlp())
+        model = torch.compile(ddp) if compiled else ddp
+        if compiled:  # compile both graphs while both ranks are alive
+            model(torch.randn(4, 64)).sum().backward()
+        loss = model(torch.randn(4, 64)).sum()
+        if rank == 1:
+            return None  # gone: its process group is destroyed and the process exits
+        start = time.monotonic()
+        try:
+            loss.backward()
+        except Exception as e:  # noqa: BLE001 - what matters is that it raises
+            return type(e).__name__, time.monotonic() - start, str(e)[:300]
+        return "no error", time.monotonic() - start, ""

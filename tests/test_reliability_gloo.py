@@ -3,7 +3,9 @@ a hang (2 gloo ranks)."""
 
 from ddp_fusion.launch import run_ranks
 
-from _workers import different_models, mismatched_plans
+import pytest
+
+from _workers import different_models, mismatched_plans, peer_dies_mid_step
 
 
 def test_rank_dependent_backward_raises_plan_mismatch_on_every_rank():
@@ -17,3 +19,12 @@ def test_different_models_fail_at_construction_on_every_rank():
     errors = run_ranks(different_models, world_size=2, timeout=120)
     for err in errors:
         assert err is not None and "parameter #0 differs across ranks" in err and "'weight'" in err
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "compiled"])
+def test_dead_peer_raises_within_process_group_timeout(compiled):
+    """The survivor's backward raises within the process-group timeout (20 s here)."""
+    result, _ = run_ranks(peer_dies_mid_step, world_size=2, args=(compiled,), timeout=600, pg_timeout=20)
+    kind, seconds, message = result
+    assert kind != "no error", message
+    assert seconds < 20 + 10, (kind, seconds, message)
