@@ -303,3 +303,52 @@ def test_comm_dtype_casts_around_the_collective(algorithm):
     ).run(gm.code)
     for got, x in zip(gm(*args), args):  # fake group of 2: the mean halves
         torch.testing.assert_close(got, (x.float() / 2).to(torch.bfloat16), rtol=0, atol=0)
+
+
+def _break_no_meta(gm):
+    gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT)[0].args[0].meta.pop("val")
+
+
+def _break_sparse(gm):
+    gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT)[0].args[0].meta[
+        "val"
+    ] = torch.zeros(4).to_sparse()
+
+
+def _break_group(gm):
+    node = gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT)[0]
+    node.args = (node.args[0], "no-such-group", *node.args[2:])
+
+
+@pytest.mark.usefixtures("fake_pg")
+@pytest.mark.parametrize(
+    "break_graph, reason",
+    [
+        (_break_no_meta, "no tensor metadata"),
+        (_break_sparse, "only dense (strided) gradients fuse"),
+        (_break_group, "'no-such-group' is not registered"),
+        (None, "symbolic shape"),
+    ],
+    ids=["no-meta", "sparse", "unknown-group", "symbolic"],
+)
+def test_unfused_gradient_is_reported_with_its_reason(break_graph, reason, caplog):
+    from torch._dynamo.utils import counters
+
+    from ddp_fusion import passes
+
+    def fn(a, b):
+        return ddp_fusion.all_reduce_gradient(a * 2), ddp_fusion.all_reduce_gradient(b * 2)
+
+    mode = "fake" if break_graph else "symbolic"
+    gm = make_fx(fn, tracing_mode=mode)(torch.randn(4), torch.randn(4))
+    if break_graph:
+        break_graph(gm)
+    counters.clear()
+    passes._warned.clear()
+    result = fuse(gm)
+    assert result.unfused and all(reason in u.reason for u in result.unfused)
+    assert counters["ddp_fusion"]["unfused"] == len(result.unfused)
+    assert any(reason in r.message for r in caplog.records if r.levelname == "WARNING")
+    # what was left unfused is still there, and still runs (as a blocking all-reduce)
+    left = gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT)
+    assert {u.node for u in result.unfused} == set(left)
