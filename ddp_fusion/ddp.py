@@ -2,16 +2,19 @@
 
 Eager torch DDP reduces gradients from a C++ reducer that compiled autograd cannot
 trace, so under ``torch.compile`` it either breaks the graph at every bucket
-(DDPOptimizer) or is swapped for upstream's Python reducer. This wrapper has no reducer
-at all: each parameter gets a post-accumulate-grad hook that calls the tagged
-``ddp_fusion::all_reduce_gradient`` op and copies the result into ``.grad``. Compiled
-autograd traces those hooks into the backward graph, where the pass buckets and fuses
-them exactly as eager DDP would have.
+(DDPOptimizer) or is swapped for upstream's Python reducer. In this wrapper each
+parameter gets a post-accumulate-grad hook. Traced by compiled autograd, the hook calls
+the tagged ``ddp_fusion::all_reduce_gradient`` op and copies the result into ``.grad``;
+the pass then buckets and fuses those ops as eager DDP would have. Run eagerly, the hook
+hands the gradient to a Python bucketed reducer (reducer.py).
 
-Not supported (yet): ``find_unused_parameters``, ``broadcast_buffers`` on every forward
-(buffers are broadcast once, at construction), ``gradient_as_bucket_view``, comm hooks,
-sparse gradients, ``static_graph``. Parameters of a DDP module must all live on one
-kind of device per process, as with torch DDP.
+Not supported (yet): ``broadcast_buffers`` on every forward (buffers are broadcast once,
+at construction), ``gradient_as_bucket_view``, comm hooks other than a communication
+dtype, sparse gradients, ``static_graph``, DTensor parameters. Under ``torch.compile``,
+``find_unused_parameters`` covers parameters unused on every rank; one unused on some
+ranks only makes the ranks' plans differ, which raises ``PlanMismatchError`` at the
+first step (see verify.py). Parameters must all live on one kind of device per process,
+as with torch DDP.
 """
 
 from __future__ import annotations
@@ -118,14 +121,16 @@ _warned_not_compiled: list[bool] = []
 class DistributedDataParallel(nn.Module):
     """Drop-in for :class:`torch.nn.parallel.DistributedDataParallel`.
 
-    Same meaning for ``process_group``, ``bucket_cap_mb`` and ``bucket_cap_mb_list``:
+    Same meaning for ``process_group`` (or ``device_mesh``, a 1-D data-parallel
+    sub-mesh), ``bucket_cap_mb``, ``bucket_cap_mb_list`` and ``find_unused_parameters``:
     with ``ddp_fusion.config.enabled`` and ``torch.compile``, gradients are reduced in
     the buckets eager DDP would build (after its first-iteration rebuild). Parameters
     and buffers are broadcast from the group's rank 0 at construction. ``.module`` is
     the wrapped module; ``no_sync()`` skips gradient reduction inside its block.
-    Without ``torch.compile`` (or with the pass off) each gradient is reduced on its
-    own, as soon as it is accumulated: correct, but one blocking collective per
-    parameter.
+    Without ``torch.compile`` (or with the pass off) gradients go through an eager
+    bucketed reducer with the same bucket limits, overlapping communication with the
+    rest of backward. ``comm_dtype`` (alias ``reduce_dtype``) all-reduces gradients in
+    that dtype and casts back, like torch's fp16/bf16 compress hooks.
     """
 
     def __init__(
@@ -135,6 +140,7 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb: float | None = None,
         bucket_cap_mb_list: Sequence[float] | None = None,
         *,
+        device_mesh: Any = None,
         find_unused_parameters: bool = False,
         comm_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
@@ -164,6 +170,15 @@ class DistributedDataParallel(nn.Module):
                 f"comm_dtype ({comm_dtype}) and reduce_dtype ({reduce_dtype}) name the same "
                 "thing, the dtype gradients are all-reduced in; give one"
             )
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError("give process_group or device_mesh, not both")
+            if getattr(device_mesh, "ndim", None) != 1:
+                raise ValueError(
+                    "device_mesh must be the 1-D data-parallel sub-mesh (e.g. mesh['dp']), "
+                    f"got {device_mesh!r}"
+                )
+            process_group = device_mesh.get_group()
         self.module = module
         self.process_group = _default_group(process_group, "DistributedDataParallel")
         self.find_unused_parameters = find_unused_parameters
