@@ -230,3 +230,91 @@ def peer_dies_mid_step(rank, world_size, compiled):
         except Exception as e:  # noqa: BLE001 - what matters is that it raises
             return type(e).__name__, time.monotonic() - start, str(e)[:300]
         return "no error", time.monotonic() - start, ""
+
+
+# -- DP x TP (hand-written Megatron-style tensor parallelism) ------------------------
+import torch.distributed._functional_collectives as fcol  # noqa: E402
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward: identity. Backward: sum the input gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return fcol.all_reduce(grad, "sum", ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward: sum partial outputs over the TP group. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return fcol.all_reduce(x, "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class TPBlock(torch.nn.Module):
+    """x + W2 gelu(W1 x + b1) + b2 with W1 split by rows and W2 by columns over TP."""
+
+    def __init__(self, d, h, tp_group, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        tp_rank, tp_size = tp_group.rank(), tp_group.size()
+        self.tp_group = tp_group
+        self.w1 = torch.nn.Parameter((torch.randn(h, d, generator=g) / d**0.5).chunk(tp_size, 0)[tp_rank].clone())
+        self.b1 = torch.nn.Parameter(torch.zeros(h).chunk(tp_size)[tp_rank].clone())
+        self.w2 = torch.nn.Parameter((torch.randn(d, h, generator=g) / h**0.5).chunk(tp_size, 1)[tp_rank].clone())
+        self.b2 = torch.nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(
+            torch.nn.functional.linear(_CopyToTP.apply(x, self.tp_group), self.w1, self.b1)
+        )
+        return x + _ReduceFromTP.apply(torch.nn.functional.linear(h, self.w2), self.tp_group) + self.b2
+
+
+def dp_tp_compare(rank, world_size, dump_root):
+    """DP=2 x TP=2: ddp_fusion over the DP sub-mesh vs eager torch DDP over the DP group,
+    both with the same hand-written TP; returns max parameter difference and the TP
+    all-reduce count in the backward graph before and after the pass."""
+    import glob
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"].get_group(), mesh["dp"]
+    make = lambda: torch.nn.Sequential(TPBlock(32, 64, tp, 0), TPBlock(32, 64, tp, 1))
+    gen = torch.Generator().manual_seed(100 + dp.get_local_rank())  # data: per DP rank
+    batches = [torch.randn(8, 32, generator=gen) for _ in range(3)]
+
+    cap = 0.005  # MiB: several DP buckets, with the TP all-reduce between gradients
+    want = _steps(
+        torch.nn.parallel.DistributedDataParallel(make(), process_group=dp.get_group(), bucket_cap_mb=cap),
+        batches,
+    )
+    dump_dir = os.path.join(dump_root, f"rank{rank}")
+    torch._dynamo.reset()
+    with ddp_fusion.config.patch(enabled=True, dump_dir=dump_dir):
+        got = _steps(
+            torch.compile(ddp_fusion.DistributedDataParallel(make(), device_mesh=dp, bucket_cap_mb=cap)),
+            batches,
+        )
+
+    tp_name = tp.group_name
+    stem = sorted(glob.glob(os.path.join(dump_dir, "*.buckets.json")))[-1][: -len(".buckets.json")]
+
+    return {
+        "max_diff": max((g - w).abs().max().item() for g, w in zip(got, want)),
+        "tp_before": open(stem + ".before.txt").read().count(f"'{tp_name}')"),
+        "tp_after": open(stem + ".after.txt").read().count(f"'{tp_name}')"),
+        "dp_buckets": len(__import__("json").load(open(stem + ".buckets.json"))["buckets"]),
+    }

@@ -352,3 +352,34 @@ def test_unfused_gradient_is_reported_with_its_reason(break_graph, reason, caplo
     # what was left unfused is still there, and still runs (as a blocking all-reduce)
     left = gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT)
     assert {u.node for u in result.unfused} == set(left)
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_dp_x_tp_backward_graph():
+    """A DP x TP backward: TP all-reduces (on the TP group) sit between gradients reduced
+    over the DP group. The DP gradients still form DDP's buckets across them, the TP
+    all-reduces keep their inputs and relative order, and each group is bucketed apart."""
+    tp = dist.new_group(ranks=[0, 1])
+    dp = dist.new_group(ranks=[0])
+
+    def backward(g_out, w2, w1, b1):
+        gw2 = g_out.t() @ w2
+        r_w2 = ddp_fusion.all_reduce_gradient(gw2, dp, name="w2")
+        g_h = fcol.all_reduce(g_out @ w2, "sum", tp)  # TP: input grad of the block
+        gw1 = g_h.t() @ w1
+        r_w1 = ddp_fusion.all_reduce_gradient(gw1, dp, name="w1")
+        g_x = fcol.all_reduce(g_h @ w1.t(), "sum", tp)
+        r_b1 = ddp_fusion.all_reduce_gradient(b1 * 2, dp, name="b1")
+        return r_w2, r_w1, r_b1, g_x
+
+    args = [torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8), torch.randn(8)]
+    gm = trace(backward, *args)
+    tp_nodes = [n for n in gm.graph.nodes if n.target is C10D.all_reduce.default]
+    tp_args = [n.args for n in tp_nodes]
+    result = fuse(gm, algorithm="concat")
+    assert [[g.name for g in b.grads] for b in result.buckets] == [["w2", "w1", "b1"]]
+    assert result.buckets[0].key.group_name == dp.group_name
+    after = [n for n in gm.graph.nodes if n.target is C10D.all_reduce.default]
+    assert after[:2] == tp_nodes and [n.args for n in after[:2]] == tp_args
+    assert after[2].args[2] == dp.group_name
+    torch.testing.assert_close(gm(*args), backward(*args), rtol=0, atol=0)

@@ -1,0 +1,15 @@
+"""DP x TP on 4 gloo ranks (DP=2 x TP=2, hand-written tensor parallelism with
+functional all-reduces): ddp_fusion over the DP sub-mesh trains like eager torch DDP over
+the DP group, and the pass leaves every TP all-reduce in place."""
+
+from ddp_fusion.launch import run_ranks
+
+from _workers import dp_tp_compare
+
+
+def test_dp_tp_matches_eager_ddp_and_keeps_tp_collectives(tmp_path):
+    results = run_ranks(dp_tp_compare, world_size=4, args=(str(tmp_path),), timeout=900)
+    for r in results:
+        assert r["max_diff"] < 1e-5, r
+        assert r["tp_before"] > 0 and r["tp_after"] == r["tp_before"], r
+        assert r["dp_buckets"] > 1
