@@ -329,9 +329,10 @@ def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
     torch.set_num_threads(1)
     mode = all_modes()[mode_name]
     batches = make_batches(model_name, rank, 4)
+    # Before entering the mode: reset() also switches compiled autograd off.
+    torch._dynamo.reset()
     try:
         with torch._inductor.config.patch(compile_threads=1), mode.context():
-            torch._dynamo.reset()
             step, model = _build(model_name, mode, cap, batches)
             res_queue.put((rank, "ok", "ready"))
             while True:
@@ -359,7 +360,11 @@ def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
                              "recompiles": {k: after[k] - before[k] for k in after}}
                 elif cmd == "profile":
                     dist.barrier()
-                    value = _count_collectives(step)
+                    from torch._dynamo.utils import counters
+
+                    value = {"collectives": _count_collectives(step),
+                             "counters": {k: dict(counters[k]) for k in
+                                          ("ddp_fusion", "compiled_autograd", "stats")}}
                 elif cmd == "params":
                     value = None if model is None else torch.cat(
                         [p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
@@ -369,8 +374,6 @@ def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
     except Exception as e:
         res_queue.put((rank, "error", (_short(e), traceback.format_exc())))
         raise
-    finally:
-        torch._dynamo.reset()
 
 
 def model_info(model_name: str) -> dict[str, int]:

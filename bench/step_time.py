@@ -202,7 +202,8 @@ def _run_model_jobs(specs: list[tuple[str, str, Any]], rounds: int, steps: int, 
                 continue
             c = guard(job, "profile", lambda: job.ask("profile"))
             if c is not None:
-                job.rec["collectives"] = c[0]
+                job.rec["collectives"] = c[0]["collectives"]
+                job.rec["counters"] = [c[0]["counters"], c[1]["counters"]]
             p = guard(job, "params", lambda: job.ask("params"))
             if p is not None and p[0] is not None:
                 job.rec["_params"] = p
@@ -262,6 +263,8 @@ def _table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[str, 
         rel = j["median_ms"] / eager if eager else None
         diff = j.get("max_param_diff")
         recomp = any(v for rc in j["recompiles_during_timing"] for v in rc.values())
+        unfused = sum(v for c in j.get("counters", []) for k, v in c["ddp_fusion"].items()
+                      if k.startswith("unfused"))
         lines.append(
             f"{name:<34}{j['median_ms']:>10.2f}{j['p10_ms']:>8.2f}-{j['p90_ms']:<7.2f}"
             f"{j['min_ms']:>8.2f}-{j['max_ms']:<7.2f}"
@@ -269,6 +272,7 @@ def _table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[str, 
             f"{_fmt_collectives(j.get('collectives', {})):>22}{j.get('compile_s', float('nan')):>10.1f}"
             f"{(f'{diff:.2e}' if diff is not None else 'n/a'):>19}"
             + ("  (recompiled while timed!)" if recomp else "")
+            + (f"  ({unfused} ddp_fusion unfused events!)" if unfused else "")
             + (f"  (failed later: {j['failed']})" if j.get("failed") else "")
         )
         summary["rows"][name] = {"median_ms": j["median_ms"], "efficiency": eff, "x_eager": rel}

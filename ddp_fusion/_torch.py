@@ -115,3 +115,25 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 def current_backward_id() -> int:
     """An id of the running backward pass (-1 outside one); differs between passes."""
     return torch._C._current_graph_task_id()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (what data parallelism reduces), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def as_like(ref: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` wrapped as a DTensor laid out like ``ref`` if ``ref`` is one, else itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not is_dtensor(ref):
+        return local
+    return DTensor.from_local(
+        local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride()
+    )
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

@@ -94,8 +94,10 @@ def _make_hook(
             return
         if torch.compiler.is_compiling():
             # Traced by compiled autograd: one tagged all-reduce, fused by the pass.
-            reduced = ALL_REDUCE_GRADIENT(param.grad, group_name, "avg", limits, name, comm_dtype)
-            param.grad.copy_(reduced)
+            # A DTensor gradient: reduce its local shard over the data-parallel group.
+            grad = _torch.local_tensor(param.grad)
+            reduced = ALL_REDUCE_GRADIENT(grad, group_name, "avg", limits, name, comm_dtype)
+            param.grad.copy_(_torch.as_like(param.grad, reduced))
             return
         if config.enabled:
             _warn_not_compiled()
@@ -205,9 +207,10 @@ class DistributedDataParallel(nn.Module):
 
         verify_params_across_ranks(list(module.named_parameters()), self.process_group)
         _broadcast_from_rank0(
-            [p.detach() for p in module.parameters()] + [b.detach() for b in module.buffers()],
+            [_torch.local_tensor(t.detach()) for t in (*module.parameters(), *module.buffers())],
             self.process_group,
         )
+        self._dtensor_params = [n for n, p in params if _torch.is_dtensor(p)]
         self._state = _SyncState()
         self.reducer = EagerReducer(
             params,
@@ -232,6 +235,15 @@ class DistributedDataParallel(nn.Module):
         return self._state.require_backward_grad_sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if config.enabled and self._dtensor_params:
+            raise NotImplementedError(
+                "ddp_fusion: DTensor parameters (e.g. "
+                f"{self._dtensor_params[0]!r}) cannot go through compiled autograd in "
+                f"torch {torch.__version__}: its post-accumulate-grad hook support clones "
+                "the parameter with as_strided, which DTensor does not implement. Use "
+                "ddp_fusion.config.enabled = False for this model (torch.compile still "
+                "compiles forward and backward; gradients use the eager bucketed reducer)."
+            )
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

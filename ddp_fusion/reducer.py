@@ -55,6 +55,8 @@ class EagerReducer:
     ) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
+        # For DTensor parameters: the local shards (sizes and dtypes of what is reduced).
+        self.local = [_torch.local_tensor(p.detach()) for p in self.params]
         self.group = group
         self.limits = limits
         self.comm_dtype = comm_dtype
@@ -72,7 +74,7 @@ class EagerReducer:
         limit_i: dict[tuple, int] = defaultdict(int)
         groups: list[list[int]] = []
         for i in order:
-            p = self.params[i]
+            p = self.local[i]
             key = (p.dtype, p.device)
             open_.setdefault(key, []).append(i)
             size[key] += p.numel() * p.element_size()
@@ -88,8 +90,8 @@ class EagerReducer:
             for i in members:
                 self.bucket_of[i] = (b, n)
                 offsets.append(n)
-                n += self.params[i].numel()
-            p0 = self.params[members[0]]
+                n += self.local[i].numel()
+            p0 = self.local[members[0]]
             buffer = torch.zeros(n, dtype=self.comm_dtype or p0.dtype, device=p0.device)
             self.buckets.append(_Bucket(members, offsets, buffer))
 
@@ -112,7 +114,7 @@ class EagerReducer:
             self._start_backward()
         b, offset = self.bucket_of[index]
         bucket = self.buckets[b]
-        grad = self.params[index].grad
+        grad = _torch.local_tensor(self.params[index].grad)
         bucket.buffer[offset : offset + grad.numel()].copy_(grad.reshape(-1))
         self._used[index] = 1
         self._ready.append(index)
@@ -132,7 +134,7 @@ class EagerReducer:
         missing = [i for b in self.buckets if b.pending for i, _ in self._unready(b)]
         for b in self.buckets:
             for i, offset in self._unready(b):
-                b.buffer[offset : offset + self.params[i].numel()].zero_()
+                b.buffer[offset : offset + self.local[i].numel()].zero_()
             b.pending = 0
         self._launch_ready()
         used = self._used
@@ -141,11 +143,15 @@ class EagerReducer:
         for bucket in self.buckets:
             bucket.work.wait()
             for i, offset in zip(bucket.params, bucket.offsets):
-                p = self.params[i]
-                reduced = bucket.buffer[offset : offset + p.numel()].view_as(p)
+                p, local = self.params[i], self.local[i]
+                reduced = bucket.buffer[offset : offset + local.numel()].view_as(local)
                 if p.grad is not None:
-                    p.grad.copy_(reduced)
+                    _torch.local_tensor(p.grad).copy_(reduced)
                 elif used[i]:  # unused here, used elsewhere: DDP gives it the average
+                    if local is not p.detach() and not isinstance(local, type(p.detach())):
+                        raise NotImplementedError(
+                            f"find_unused_parameters with DTensor parameter {self.names[i]!r}"
+                        )
                     p.grad = reduced.to(p.dtype, copy=True)
         if not self.rebuilt and not self.find_unused_parameters:
             # Every rank gets here in the same backward; unused parameters go last.
