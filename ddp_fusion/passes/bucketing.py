@@ -14,8 +14,9 @@ gradients of backward do not wait behind a big one), ``bucket_cap_mb=c`` gives `
 ``bucket_cap_mb_list=[a, b, ...]`` gives ``[a, b, ...]`` (all in MiB).
 
 One case eager DDP never meets: in a hand-built graph a gradient may be computed from an
-earlier gradient's *reduced* value. Both cannot share a collective, so the bucket is cut
-before the dependent gradient (and the cut is logged).
+earlier gradient's *reduced* value. Then the earlier gradient's bucket (whatever its key)
+must be issued before the dependent gradient exists, so it is closed there (and the cut
+is recorded in the plan); otherwise two buckets could each wait for the other.
 """
 
 from __future__ import annotations
@@ -108,14 +109,15 @@ def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Buck
         for inp in node.all_input_nodes:
             deps.update(depends_on.get(inp, ()))
         for grad in ready_at.get(node, ()):
-            bucket = open_buckets.get(grad.key)
-            if bucket is not None and id(bucket) in deps:
+            # A gradient computed from reduced values of open buckets (of any key) can
+            # only be produced after those buckets' collectives: close them here.
+            for bucket in [b for b in open_buckets.values() if id(b) in deps]:
                 bucket.cut_reason = (
-                    f"gradient {grad.label} is computed from the reduced value of an "
-                    "earlier gradient in the same bucket"
+                    f"gradient {grad.label} is computed from the reduced value of a "
+                    "gradient in this bucket"
                 )
                 close(bucket)
-                bucket = None
+            bucket = open_buckets.get(grad.key)
             if bucket is None:
                 bucket = open_buckets[grad.key] = Bucket(grad.key, [])
             bucket.grads.append(grad)

@@ -38,6 +38,18 @@ def fuse_coalesced(
                 for g in grads
             ]
         inputs = call_function(graph, aten._foreach_div.Tensor, (grads, divisor))
+        wire_dtype = key.comm_dtype or key.dtype
+        if inputs.meta["val"][0].dtype != wire_dtype:
+            # _foreach_div by the fp32 divisor promotes bf16/fp16 to fp32; round back
+            # (the same result as eager DDP's in-place div_ of a bf16 bucket).
+            inputs = [
+                call_function(
+                    graph,
+                    prims.convert_element_type.default,
+                    (call_function(graph, operator.getitem, (inputs, i)), wire_dtype),
+                )
+                for i in range(len(grads))
+            ]
         collective = call_function(
             graph, c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name)
         )
