@@ -77,18 +77,16 @@ def forward(self, x_1, w1_1, w2_1):
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
-    reshape_default = torch.ops.aten.reshape.default(mm_1, [-1]);  mm_1 = None
-    reshape_default_1 = torch.ops.aten.reshape.default(sum_1, [-1]);  sum_1 = None
-    cat_default = torch.ops.aten.cat.default([reshape_default, reshape_default_1]);  reshape_default = reshape_default_1 = None
+    view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
+    cat_default = torch.ops.aten.cat.default([view_default, sum_1]);  view_default = sum_1 = None
     div_tensor = torch.ops.aten.div.Tensor(cat_default, plan_guard_default);  cat_default = plan_guard_default = None
     all_reduce_default = torch.ops._c10d_functional.all_reduce.default(div_tensor, 'sum', '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
     split_with_sizes_default = torch.ops.aten.split_with_sizes.default(wait_tensor_default, [15, 5]);  wait_tensor_default = None
     getitem = split_with_sizes_default[0]
-    view_default = torch.ops.aten.view.default(getitem, [5, 3]);  getitem = None
+    view_default_1 = torch.ops.aten.view.default(getitem, [5, 3]);  getitem = None
     getitem_1 = split_with_sizes_default[1];  split_with_sizes_default = None
-    view_default_1 = torch.ops.aten.view.default(getitem_1, [5]);  getitem_1 = None
-    return (view_default_1, view_default)""")
+    return (getitem_1, view_default_1)""")
 
     def test_coalesced(self):
         gm = trace(small_backward, *inputs())

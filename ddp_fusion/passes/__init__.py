@@ -28,12 +28,14 @@ import logging
 from typing import Any
 
 import torch.fx
+from torch.fx.node import map_arg
 
 from .. import _torch, dump
 from ..config import config
+from ._graph import NodeMaker
 from .bucketing import Bucket, plan_buckets
 from .coalesced import fuse_coalesced
-from .collectives import GradAllReduce, Unfused, find_gradient_all_reduces
+from .collectives import Unfused, find_gradient_all_reduces
 from .concat import fuse_concat
 from .guard import insert_plan_guards
 from .schedule import sink_waits
@@ -101,17 +103,16 @@ def fuse_ddp_allreduces(
     before = dump.graph_code(graph) if dump_dir else ""
 
     result.buckets = plan_buckets(graph, grads)
-    guards = insert_plan_guards(graph, result.buckets)
+    make = NodeMaker(graph)
+    guards = insert_plan_guards(make, result.buckets)
     order = {node: i for i, node in enumerate(graph.nodes)}
     fuse = _FUSERS[algorithm]
     fused = []
     for bucket in result.buckets:
         last_grad = max((g.grad for g in bucket.grads), key=order.__getitem__)
         key = bucket.key
-        fb = fuse(graph, bucket, last_grad, guards[key.group_name, key.reduce_op, key.device])
-        for g, out in zip(bucket.grads, fb.outputs):
-            _replace(graph, g, out)
-        fused.append(fb)
+        fused.append(fuse(make, bucket, last_grad, guards[key.group_name, key.reduce_op, key.device]))
+    _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})
     # A reader of an early gradient in a bucket may sit before the bucket's collective
     # (never in a compiled backward, where readers are the final copy_ into .grad, but
     # possible in hand-written graphs); move such readers after it.
@@ -126,9 +127,18 @@ def fuse_ddp_allreduces(
     return result
 
 
-def _replace(graph: torch.fx.Graph, grad: GradAllReduce, out: torch.fx.Node) -> None:
-    grad.node.replace_all_uses_with(out)
-    graph.erase_node(grad.node)
+def _replace_all(graph: torch.fx.Graph, new: dict[torch.fx.Node, torch.fx.Node]) -> None:
+    """Point every reader of an old node at its new node, then erase the old nodes.
+
+    One rewrite per reader, not per old node: the graph output reads every gradient,
+    and rewriting it once per gradient would be quadratic.
+    """
+    readers = {user: None for old in new for user in old.users}
+    for user in readers:
+        user.args = map_arg(user.args, lambda n: new.get(n, n))
+        user.kwargs = map_arg(user.kwargs, lambda n: new.get(n, n))
+    for old in new:
+        graph.erase_node(old)
 
 
 def _report_unfused(unfused: list[Unfused]) -> None:

@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx
 
-from ._graph import call_function
+from ._graph import NodeMaker
 from .bucketing import Bucket
 from .schedule import FusedBucket
 
@@ -27,39 +27,38 @@ c10d = torch.ops._c10d_functional
 
 
 def fuse_coalesced(
-    graph: torch.fx.Graph, bucket: Bucket, after: torch.fx.Node, divisor: torch.fx.Node
+    make: NodeMaker, bucket: Bucket, after: torch.fx.Node, divisor: torch.fx.Node
 ) -> FusedBucket:
     key = bucket.key
-    with graph.inserting_before(after.next):
+    with make.graph.inserting_before(after.next):
         grads = [g.grad for g in bucket.grads]
         if key.comm_dtype is not None:
             grads = [
-                call_function(graph, prims.convert_element_type.default, (g, key.comm_dtype))
+                make(prims.convert_element_type.default, (g, key.comm_dtype))
                 for g in grads
             ]
-        inputs = call_function(graph, aten._foreach_div.Tensor, (grads, divisor))
+        inputs = make(aten._foreach_div.Tensor, (grads, divisor))
         wire_dtype = key.comm_dtype or key.dtype
         if inputs.meta["val"][0].dtype != wire_dtype:
             # _foreach_div by the fp32 divisor promotes bf16/fp16 to fp32; round back
             # (the same result as eager DDP's in-place div_ of a bf16 bucket).
             inputs = [
-                call_function(
-                    graph,
+                make(
                     prims.convert_element_type.default,
-                    (call_function(graph, operator.getitem, (inputs, i)), wire_dtype),
+                    (make(operator.getitem, (inputs, i)), wire_dtype),
                 )
                 for i in range(len(grads))
             ]
-        collective = call_function(
-            graph, c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name)
+        collective = make(
+            c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name)
         )
         tails, outputs = [], []
         for i in range(len(bucket.grads)):
-            item = call_function(graph, operator.getitem, (collective, i))
-            tail = [item, call_function(graph, c10d.wait_tensor.default, (item,))]
+            item = make(operator.getitem, (collective, i))
+            tail = [item, make(c10d.wait_tensor.default, (item,))]
             if key.comm_dtype is not None:
                 tail.append(
-                    call_function(graph, prims.convert_element_type.default, (tail[-1], key.dtype))
+                    make(prims.convert_element_type.default, (tail[-1], key.dtype))
                 )
             tails.append(tail)
             outputs.append(tail[-1])

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from ..verify import PLAN_GUARD
-from ._graph import call_function
+from ._graph import NodeMaker
 from .bucketing import Bucket
 from .collectives import group_size
 
@@ -42,14 +42,14 @@ def plan_fingerprint(buckets: list[Bucket], group_name: str) -> str:
 
 
 def insert_plan_guards(
-    graph: torch.fx.Graph, buckets: list[Bucket]
+    make: NodeMaker, buckets: list[Bucket]
 ) -> dict[tuple[str, str, torch.device], torch.fx.Node]:
     """Guard nodes keyed by (group name, reduce op, device)."""
     guards: dict[tuple[str, str, torch.device], torch.fx.Node] = {}
-    placeholders = graph.find_nodes(op="placeholder")
-    start = placeholders[-1].next if placeholders else next(iter(graph.nodes))
+    placeholders = make.graph.find_nodes(op="placeholder")
+    start = placeholders[-1].next if placeholders else next(iter(make.graph.nodes))
     fingerprints: dict[str, str] = {}
-    with graph.inserting_before(start):
+    with make.graph.inserting_before(start):
         for b in buckets:
             k = (b.key.group_name, b.key.reduce_op, b.key.device)
             if k in guards:
@@ -57,8 +57,7 @@ def insert_plan_guards(
             if b.key.group_name not in fingerprints:
                 fingerprints[b.key.group_name] = plan_fingerprint(buckets, b.key.group_name)
             divisor = float(group_size(b.key.group_name)) if b.key.reduce_op == "avg" else 1.0
-            guards[k] = call_function(
-                graph,
+            guards[k] = make(
                 PLAN_GUARD,
                 (b.key.group_name, fingerprints[b.key.group_name], divisor, b.key.device),
             )
