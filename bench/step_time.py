@@ -28,7 +28,7 @@ are counted with ``torch.profiler`` (``gloo:*`` events) over one extra step. Aft
 run each mode's parameters are compared with eager DDP's (same data, same steps).
 
     python -m bench.step_time                  # both models, default buckets
-    python -m bench.step_time --quick          # 2 rounds x 5 timed steps (default 6 x 5)
+    python -m bench.step_time --quick          # 2 rounds x 5 timed steps (default 10 x 5)
     python -m bench.step_time --model mlp --modes eager_ddp,ddp_fusion_concat
     python -m bench.step_time --sweep 1,5,25   # eager + ddp_fusion over bucket caps, PNG
 
@@ -194,7 +194,8 @@ def _run_model_jobs(specs: list[tuple[str, str, Any]], rounds: int, steps: int, 
                 job.rec["round_medians_ms"].append(statistics.median(per_step))
                 job.rec["recompiles_during_timing"].append(
                     {k: max(res[0]["recompiles"][k], res[1]["recompiles"][k]) for k in res[0]["recompiles"]})
-                line.append(f"{job.mode}={statistics.median(per_step):.1f}")
+                label = job.mode if job.cap is None else f"{job.mode}@{job.cap:g}"
+                line.append(f"{label}={statistics.median(per_step):.1f}")
             log(f"round {r + 1}/{rounds} medians ms: " + ", ".join(line))
         reference = {}
         for job in jobs:
@@ -327,7 +328,7 @@ def main() -> None:
     parser.add_argument("--sweep", default=None,
                         help="comma-separated caps, e.g. 1,5,25: run eager_ddp and ddp_fusion "
                              "over them (+ bounds) and plot")
-    parser.add_argument("--rounds", type=int, default=None, help="default 6 (quick: 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="default 10 (quick: 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per round, default 5")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps")
@@ -337,7 +338,7 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=900.0)
     args = parser.parse_args()
 
-    rounds = args.rounds or (2 if args.quick else 6)
+    rounds = args.rounds or (2 if args.quick else 10)
     steps = args.steps or 5
     models = ["mlp", "gpt"] if args.model == "all" else [args.model]
     known = list(all_modes())

@@ -43,12 +43,13 @@ def _all_reduce_gradient(
     if reduce_op == "avg":
         out.div_(group.size())
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out.to(grad.dtype)
+    return out.to(grad.dtype).contiguous()
 
 
 @_all_reduce_gradient.register_fake
 def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None):
-    return torch.empty_like(grad)
+    # Contiguous whatever the gradient's strides: what every fused form returns.
+    return grad.new_empty(grad.shape)
 
 
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default

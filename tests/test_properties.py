@@ -2,24 +2,26 @@
 
 Each example is a random backward-like graph: gradients of random shape (0-d and empty
 included), dtype (float32 / bfloat16 / float16), process group (the fake world of 2, a
-group of 1, a second group of 2), reduce op and bucket arguments, each reduced with the
-tagged ``ddp_fusion.all_reduce_gradient``; interleaved with untagged functional
+group of 1, a second group of 2), reduce op, communication dtype and bucket arguments,
+each reduced with the tagged ``ddp_fusion.all_reduce_gradient``; interleaved with untagged functional
 all-reduces, unrelated compute, early readers of reduced gradients, gradients that are
-graph inputs as they are (ready before anything is computed), one tensor reduced twice,
-and gradients computed from an earlier gradient's *reduced* value. For every graph, with
+graph inputs as they are (ready before anything is computed), non-contiguous gradients,
+one tensor reduced twice, and gradients computed from an earlier gradient's *reduced* value. For every graph, with
 either algorithm and with or without wait scheduling, this pins down:
 
 1. the fused graph lints and recompiles;
 2. every tagged all-reduce is in exactly one bucket and none is left in the graph; the
    untagged collectives are the same nodes with the same arguments; one fused
    collective per bucket;
-3. no bucket mixes process group, dtype, device, reduce op or bucket arguments;
+3. no bucket mixes process group, dtype, device, reduce op, communication dtype or
+   bucket arguments;
 4. the boundaries are eager DDP's: per key, torch's C++
    ``compute_bucket_assignment_by_size`` on the key's gradients in ready order, with
    the limits torch DDP derives from the same arguments. The one allowed difference:
-   a bucket cut early (``Bucket.cut_reason``), and only right before a gradient that is
-   computed from the reduced value of one of the bucket's members; the reference then
-   restarts after the cut with the next limit;
+   a bucket cut early (``Bucket.cut_reason``), only where a gradient (of any key) is
+   computed from the reduced value of one of its members; the reference then restarts
+   after the cut with the next limit. And no gradient reads the reduced value of a
+   bucket that is not complete before it (its collective could not be issued in time);
 5. the fused graph computes what the unfused graph computes, bit for bit (fake process
    group: a collective returns its input, ``avg`` divides by the group size first).
 
@@ -90,6 +92,7 @@ class Grad:
     bucket: int  # index into GraphSpec.bucket_args
     source: str = "compute"
     of: int | None = None
+    comm_dtype: torch.dtype | None = None  # all_reduce_gradient(comm_dtype=...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +149,7 @@ def graph_specs(draw, max_ops: int = 20) -> GraphSpec:
                 st.sampled_from(DTYPES),
                 st.sampled_from(["avg", "sum"]),
                 st.integers(0, len(bucket_args) - 1),
+                st.sampled_from([None, None, *DTYPES]),
             ),
             min_size=1,
             max_size=3,
@@ -153,10 +157,12 @@ def graph_specs(draw, max_ops: int = 20) -> GraphSpec:
     )
     ops: list[Grad | Untagged | Compute] = []
     n_grads = n_untagged = 0
-    for _ in range(draw(st.integers(1, max_ops))):
+    # "Go on?" before each op (rather than a length drawn first) lets the shrinker delete
+    # ops from the middle of a failing example.
+    while len(ops) < max_ops and (not ops or draw(st.integers(0, 9)) > 0):
         kind = draw(st.sampled_from(["grad", "grad", "grad", "untagged", "compute"]))
         if kind == "grad":
-            group, dtype, reduce_op, bucket = draw(st.sampled_from(palette))
+            group, dtype, reduce_op, bucket, comm_dtype = draw(st.sampled_from(palette))
             sources = ["compute", "input", "strided"]
             if n_grads:
                 sources += ["reduced", "reuse"]
@@ -168,7 +174,8 @@ def graph_specs(draw, max_ops: int = 20) -> GraphSpec:
                 of = draw(st.integers(0, n_grads - 1))
             elif source == "untagged":
                 of = draw(st.integers(0, n_untagged - 1))
-            ops.append(Grad(draw(SHAPES), dtype, group, reduce_op, bucket, source, of))
+            shape = draw(SHAPES)
+            ops.append(Grad(shape, dtype, group, reduce_op, bucket, source, of, comm_dtype))
             n_grads += 1
         elif kind == "untagged":
             of = draw(st.none() | st.integers(0, n_grads - 1)) if n_grads else None
@@ -229,6 +236,7 @@ def build(spec: GraphSpec):
                         g,
                         groups[op.group],
                         reduce_op=op.reduce_op,
+                        comm_dtype=op.comm_dtype,
                         name=f"g{len(reduced)}",
                         **spec.bucket_args[op.bucket],
                     )
@@ -307,6 +315,7 @@ def describe_unfused(gm: torch.fx.GraphModule, spec: GraphSpec) -> dict[str, Tag
                     torch.device("cpu"),
                     op.reduce_op,
                     tuple(ddp_bucket_limits(**args)),
+                    None if op.comm_dtype == val.dtype else op.comm_dtype,
                 ),
                 torch_limits=torch_rebuild_limits(**args),
                 reads=reads[grad_node],
@@ -349,7 +358,8 @@ def check_collectives(untagged_before: list, result, algorithm: str, gm) -> None
 
 
 def check_keys(tagged: dict[str, Tagged], result) -> None:
-    """No bucket mixes group / dtype / device / reduce op / bucket arguments."""
+    """No bucket mixes group / dtype / device / reduce op / comm dtype / bucket
+    arguments; each member's key is the one its call asked for."""
     for b in result.buckets:
         for g in b.grads:
             assert g.key == b.key, (g.name, g.key, b.key)
@@ -357,41 +367,47 @@ def check_keys(tagged: dict[str, Tagged], result) -> None:
 
 
 def check_boundaries(tagged: dict[str, Tagged], result) -> None:
-    """Per key: torch's C++ bucketing in ready order, restarted after each cut; a cut
-    only right before a gradient that reads the reduced value of a member of the cut
-    bucket; no bucket holds a gradient that reads the reduced value of another member."""
-    keys = {b.key for b in result.buckets}
-    for key in keys:
+    """Per key: torch's C++ bucketing in ready order, restarted after each cut. A bucket
+    is cut only where a gradient (of any key) reads the reduced value of one of its
+    members, before the key's next gradient; and every bucket is complete before any
+    gradient that reads one of its reduced values is computed (else its collective
+    could not be issued in time: a wrong value, or a cycle)."""
+    for bucket in result.buckets:
+        members = {g.name for g in bucket.grads}
+        last = max(tagged[m].ready[0] for m in members)
+        for t in tagged.values():
+            if t.reads & members:
+                assert last < t.ready[0], (
+                    f"{t.name} reads a reduced value of bucket {sorted(members)}, "
+                    "which is not complete before it"
+                )
+
+    for key in {b.key for b in result.buckets}:
         ours = [[g.name for g in b.grads] for b in result.buckets if b.key == key]
         cut = [b.cut_reason is not None for b in result.buckets if b.key == key]
         order = sorted((t for t in tagged.values() if t.key == key), key=lambda t: t.ready)
+        names = [t.name for t in order]
         limits = order[0].torch_limits
         assert all(_same_rule(t.torch_limits, limits) for t in order)
 
-        for bucket in ours:
-            members = set(bucket)
-            for name in bucket:
-                assert not (tagged[name].reads & members), (
-                    f"{name} reads a reduced gradient of its own bucket {bucket}"
-                )
-
         # Segments of the ready order between cuts, then the reference on each.
         segments, start = [], 0
-        for i, (bucket, was_cut) in enumerate(zip(ours, cut)):
+        for bucket, was_cut in zip(ours, cut):
             if not was_cut:
                 continue
-            assert i + 1 < len(ours), f"bucket {bucket} cut with no gradient after it"
-            nxt = ours[i + 1][0]
-            assert tagged[nxt].reads & set(bucket), (
-                f"bucket {bucket} cut before {nxt}, which reads none of its reduced values"
-            )
-            end = [t.name for t in order].index(nxt)
+            end = names.index(bucket[-1]) + 1
+            after = tagged[bucket[-1]].ready[0]
+            before = order[end].ready[0] if end < len(order) else math.inf
+            assert any(
+                t.reads & set(bucket) and after < t.ready[0] <= before
+                for t in tagged.values()
+            ), f"bucket {bucket} cut, but no gradient reads its reduced values there"
             segments.append(order[start:end])
             start = end
         segments.append(order[start:])
 
         expected: list[list[str]] = []
-        for segment in segments:
+        for segment in filter(None, segments):
             lim = limits[min(len(expected), len(limits) - 1) :]
             tensors = [torch.empty(t.shape, dtype=t.dtype) for t in segment]
             ref = _torch.compute_bucket_assignment_by_size(
@@ -406,10 +422,10 @@ def check_same_values(unfused, fused, inputs) -> None:
     got = fused(*[t.clone() for t in inputs])
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        # Bit-exact for every dtype: both graphs divide each element by the group size
-        # (1 or 2) in the gradient's dtype, via float32 opmath, once; the collectives of
-        # the fake group return their input. (fp16 sums may overflow to inf/nan: the
-        # same ones in both graphs.)
+        # Bit-exact for every dtype: both graphs do the same elementwise work (cast to
+        # the comm dtype, divide by the group size, 1 or 2, cast back), each op rounding
+        # once in the same dtype; the collectives of the fake group return their input.
+        # (fp16 sums may overflow to inf/nan: the same ones in both graphs.)
         torch.testing.assert_close(
             g, w, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"output {i}: {m}"
         )
@@ -464,35 +480,31 @@ def test_fusion_properties_slow(spec, algorithm, schedule_waits):
 
 
 # --------------------------------------------------------------------------- found bugs
-# Minimized failing examples, recorded until the pass is fixed (strict: an unexpected
-# pass fails, so remove the mark with the fix).
+# Minimized examples that these properties found, kept as regression tests.
 
 
 @pytest.mark.usefixtures("fake_pg")
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="coalesced: _foreach_div of a 0-d bfloat16/float16 gradient by the 0-d float32 "
-    "divisor promotes it to float32 (0-d with 0-d: ordinary type promotion), so the "
-    "reduced gradient comes back float32; concat reshapes to 1-d first and is not affected",
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        pytest.param([()], id="0d"),
+        pytest.param([(3,), ()], id="0d-after-1d"),
+    ],
 )
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_found_coalesced_0d_low_precision_gradient_keeps_dtype(dtype):
-    spec = GraphSpec(bucket_args=[{}], ops=[Grad((), dtype, 0, "avg", 0)])
+def test_found_coalesced_0d_low_precision_gradient_keeps_dtype(shapes, dtype):
+    """_foreach_div by the fp32 divisor promotes a 0-d bf16/fp16 gradient to fp32 (0-d
+    with 0-d: ordinary type promotion), in any position of the bucket."""
+    spec = GraphSpec(bucket_args=[{}], ops=[Grad(s, dtype, 0, "avg", 0) for s in shapes])
     check_fusion(spec, "coalesced", schedule_waits=False)
 
 
 @pytest.mark.usefixtures("fake_pg")
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="plan_buckets cuts a bucket only when a gradient reads its own key's open "
-    "bucket; across two keys, g2 (key X) reads reduced g1 (bucket Y) and g3 (key Y, "
-    "added to Y later) reads reduced g0 (bucket X): X waits for Y and Y for X, a cycle, "
-    "and stable_topological_sort asserts on the half-rewritten graph",
-)
 @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
-def test_found_cross_key_dependencies_form_a_cycle(algorithm):
+def test_found_cross_key_dependencies_cut_both_buckets(algorithm):
+    """g2 (key X) reads reduced g1 (bucket Y) and g3 (key Y) reads reduced g0 (bucket X).
+    Cutting only a gradient's own key left X waiting for Y and Y for X: a cycle, and
+    stable_topological_sort asserted on the half-rewritten graph."""
     f32, bf16 = torch.float32, torch.bfloat16
     spec = GraphSpec(
         bucket_args=[{}],
@@ -504,3 +516,19 @@ def test_found_cross_key_dependencies_form_a_cycle(algorithm):
         ],
     )
     check_fusion(spec, algorithm, schedule_waits=True)
+
+
+@pytest.mark.usefixtures("fake_pg")
+@pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+def test_found_non_contiguous_gradient_keeps_layout(algorithm):
+    """A transposed gradient: the reduced value must have the same (contiguous) layout
+    before and after the pass, or a reader sums it in another order (1 ulp apart)."""
+    f32 = torch.float32
+    spec = GraphSpec(
+        bucket_args=[{}],
+        ops=[
+            Grad((3, 3), f32, 0, "avg", 0, "strided"),  # g0: (x * 2).transpose(0, -1)
+            Grad((), f32, 0, "avg", 0, "reduced", 0),  # g1: x * 2 + sum(reduced g0)
+        ],
+    )
+    check_fusion(spec, algorithm, schedule_waits=False)

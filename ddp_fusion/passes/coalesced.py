@@ -31,7 +31,14 @@ def fuse_coalesced(
 ) -> FusedBucket:
     key = bucket.key
     with make.graph.inserting_before(after.next):
-        grads = [g.grad for g in bucket.grads]
+        # The result is contiguous, as the op promises (and as all_reduce_coalesced
+        # returns at run time whatever its input's strides).
+        grads = [
+            g.grad
+            if g.grad.meta["val"].is_contiguous()
+            else make(aten.clone.default, (g.grad,), {"memory_format": torch.contiguous_format})
+            for g in bucket.grads
+        ]
         if key.comm_dtype is not None:
             grads = [
                 make(prims.convert_element_type.default, (g, key.comm_dtype))
@@ -39,15 +46,15 @@ def fuse_coalesced(
             ]
         inputs = make(aten._foreach_div.Tensor, (grads, divisor))
         wire_dtype = key.comm_dtype or key.dtype
-        if inputs.meta["val"][0].dtype != wire_dtype:
-            # _foreach_div by the fp32 divisor promotes bf16/fp16 to fp32; round back
-            # (the same result as eager DDP's in-place div_ of a bf16 bucket).
+        if any(v.dtype != wire_dtype for v in inputs.meta["val"]):
+            # _foreach_div by the fp32 divisor promotes (some) bf16/fp16 tensors to fp32;
+            # round those back (the same result as eager DDP's div_ of a bf16 bucket).
+            items = [make(operator.getitem, (inputs, i)) for i in range(len(grads))]
             inputs = [
-                make(
-                    prims.convert_element_type.default,
-                    (make(operator.getitem, (inputs, i)), wire_dtype),
-                )
-                for i in range(len(grads))
+                item
+                if item.meta["val"].dtype == wire_dtype
+                else make(prims.convert_element_type.default, (item, wire_dtype))
+                for item in items
             ]
         collective = make(
             c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name)
