@@ -137,3 +137,16 @@ def is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def fake_view(mode: Any, base: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """``base.view(shape)`` for a fake tensor, without a trip through fake dispatch (about
+    5x faster; the pass makes one per gradient on each side). The meta view is rewrapped,
+    so it shares ``base``'s storage exactly as a dispatched view would."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    with torch._C._DisableTorchDispatch():
+        out = torch.ops.aten.view.default(base, shape)
+    if isinstance(out, FakeTensor):
+        return out
+    return mode.fake_tensor_converter.from_meta_and_device(mode, out, base.fake_device)

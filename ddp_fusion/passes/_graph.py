@@ -44,9 +44,28 @@ class NodeMaker:
             fake_args, fake_kwargs = tree_map_only(
                 torch.Tensor, self._from_tensor, (fake_args, fake_kwargs)
             )
+        if target is torch.ops.aten.view.default and not fake_kwargs:
+            node.meta["val"] = _torch.fake_view(self.mode, *fake_args)
+            return node
+        shortcut = _SHORTCUTS.get(target)
         with self.mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
+            if shortcut is not None and not fake_kwargs:
+                node.meta["val"] = shortcut(*fake_args)
+            else:
+                node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
 
     def _from_tensor(self, t: torch.Tensor) -> torch.Tensor:
         return t if isinstance(t, torch._subclasses.fake_tensor.FakeTensor) else self.mode.from_tensor(t)
+
+
+# Fake-tensor propagation is most of the pass's cost (one or two nodes per gradient).
+# Views skip fake dispatch (_torch.fake_view, same storage as under dispatch); the
+# functional collectives' results are the fresh tensors their meta functions return,
+# made directly instead of through their slower fake implementations.
+_SHORTCUTS: dict[Any, Callable[..., torch.Tensor]] = {
+    torch.ops._c10d_functional.all_reduce.default: lambda x, *_: torch.empty_like(
+        x, memory_format=torch.contiguous_format
+    ),
+    torch.ops._c10d_functional.wait_tensor.default: lambda x: torch.empty_like(x),
+}
