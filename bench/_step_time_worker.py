@@ -221,15 +221,47 @@ class UpstreamPythonReducer(Mode):
 
 
 class DDPFusion(Mode):
-    def __init__(self, algorithm: str) -> None:
+    def __init__(self, algorithm: str, comm_dtype: torch.dtype | None = None) -> None:
         self.algorithm = algorithm
-        self.name = f"ddp_fusion_{algorithm}"
+        self.comm_dtype = comm_dtype
+        suffix = f"_{str(comm_dtype).removeprefix('torch.')}" if comm_dtype else ""
+        self.name = f"ddp_fusion_{algorithm}{suffix}"
+        # an fp16 wire changes the numbers: compare it with eager DDP + fp16 hook
+        self.comm = comm_dtype is None
 
     def context(self):
         return ddp_fusion.config.patch(enabled=True, algorithm=self.algorithm)
 
     def wrap(self, model, cap):
-        return torch.compile(ddp_fusion.DistributedDataParallel(model, bucket_cap_mb=cap))
+        return torch.compile(
+            ddp_fusion.DistributedDataParallel(model, bucket_cap_mb=cap, comm_dtype=self.comm_dtype)
+        )
+
+
+class DDPFusionUncompiled(Mode):
+    """ddp_fusion's wrapper without torch.compile: its eager bucketed reducer."""
+
+    name = "ddp_fusion_uncompiled"
+    compiled = False
+
+    def context(self):
+        return ddp_fusion.config.patch(enabled=False)
+
+    def wrap(self, model, cap):
+        return ddp_fusion.DistributedDataParallel(model, bucket_cap_mb=cap)
+
+
+class EagerDDPFp16Hook(Mode):
+    name = "eager_ddp_fp16_hook"
+    compiled = False
+    comm = False
+
+    def wrap(self, model, cap):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+        ddp.register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
+        return ddp
 
 
 class ComputeOnly(Mode):
@@ -263,6 +295,9 @@ def all_modes() -> dict[str, Mode]:
         UpstreamPythonReducer("compiled_autograd_nofusion", {}),
         DDPFusion("concat"),
         DDPFusion("coalesced"),
+        DDPFusionUncompiled(),
+        EagerDDPFp16Hook(),
+        DDPFusion("concat", torch.float16),
         ComputeOnly(),
         CommOnly(),
     ]
