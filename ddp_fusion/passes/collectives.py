@@ -50,10 +50,6 @@ class Unfused:
     reason: str
 
 
-def is_gradient_all_reduce(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is ALL_REDUCE_GRADIENT
-
-
 def find_gradient_all_reduces(
     graph: torch.fx.Graph,
 ) -> tuple[list[GradAllReduce], list[Unfused]]:
