@@ -23,7 +23,8 @@ from . import _torch
 from .config import config
 from .passes import fuse_ddp_allreduces
 
-_PACKAGE = pathlib.Path(__file__).parent
+# The pass's behaviour is a function of these files and the config (read once).
+_SOURCES = tuple(str(p) for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
 _CustomGraphPass = _torch.custom_graph_pass_base()
 
 
@@ -34,9 +35,8 @@ class FuseDDPAllReduces(_CustomGraphPass):
         fuse_ddp_allreduces(graph)
 
     def uuid(self) -> bytes:
-        sources = tuple(str(p) for p in sorted(_PACKAGE.rglob("*.py")))
         settings = {k: v for k, v in config.as_dict().items() if k != "enabled"}
-        return _torch.hash_files(sources, json.dumps(settings, sort_keys=True))
+        return _torch.hash_files(_SOURCES, json.dumps(settings, sort_keys=True))
 
 
 class _Chain(_CustomGraphPass):

@@ -148,7 +148,7 @@ class EagerReducer:
                 if p.grad is not None:
                     _torch.local_tensor(p.grad).copy_(reduced)
                 elif used[i]:  # unused here, used elsewhere: DDP gives it the average
-                    if local is not p.detach() and not isinstance(local, type(p.detach())):
+                    if _torch.is_dtensor(p):
                         raise NotImplementedError(
                             f"find_unused_parameters with DTensor parameter {self.names[i]!r}"
                         )
