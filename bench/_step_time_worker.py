@@ -27,6 +27,7 @@ from torch import nn
 from torch.profiler import profile
 
 import ddp_fusion
+from bench._tp import TPBlock
 
 # --------------------------------------------------------------------------- models
 
@@ -88,28 +89,57 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+class TPMLP(nn.Module):
+    """``depth`` residual Megatron blocks (see bench/_tp.py) split over the TP group."""
+
+    def __init__(self, tp_group, width: int = 256, hidden: int = 1024, depth: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(TPBlock(width, hidden, tp_group, seed) for seed in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"desc": "MLP: 24 x (Linear(256,256) + LayerNorm + GELU) + Linear(256,1), batch 128",
-            "batch": 128, "width": 256},
+            "batch": 128, "width": 256, "world_size": 2, "tp": 1},
     "gpt": {"desc": "GPT: vocab 1000, d_model 192, 4 heads, 4 blocks, seq 64, batch 8",
-            "batch": 8, "seq": 64, "vocab": 1000},
+            "batch": 8, "seq": 64, "vocab": 1000, "world_size": 2, "tp": 1},
+    "mlp_tp": {"desc": "DP=2 x TP=2 MLP: 8 x Megatron block (256 -> 1024 -> 256, W1 by rows, "
+                       "W2 by columns over TP), batch 64 per DP rank",
+               "batch": 64, "width": 256, "world_size": 4, "tp": 2},
 }
 
 
-def make_model(name: str) -> nn.Module:
+def dp_tp_groups(name: str) -> tuple[Any, Any]:
+    """``(dp_group, tp_group)`` of this rank for ``name``; ``(None, None)`` for pure DP
+    models. DP x TP models use a (dp, tp) device mesh: TP peers are neighbouring ranks."""
+    if MODELS[name]["tp"] == 1:
+        return None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = MODELS[name]["tp"]
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"].get_group(), mesh["tp"].get_group()
+
+
+def make_model(name: str, tp_group: Any = None) -> nn.Module:
     torch.manual_seed(0)
+    if name == "mlp_tp":
+        return TPMLP(tp_group)
     return MLP() if name == "mlp" else GPT()
 
 
 def make_batches(name: str, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``count`` (input, target) pairs; each rank its own data, the same for every mode."""
+    """``count`` (input, target) pairs; each DP rank its own data (TP peers share it),
+    the same for every mode."""
     spec = MODELS[name]
-    gen = torch.Generator().manual_seed(1000 + rank)
+    gen = torch.Generator().manual_seed(1000 + rank // spec["tp"])
     out = []
     for _ in range(count):
-        if name == "mlp":
+        if name in ("mlp", "mlp_tp"):
             x = torch.randn(spec["batch"], spec["width"], generator=gen)
-            y = torch.randn(spec["batch"], 1, generator=gen)
+            y = torch.randn(spec["batch"], 1 if name == "mlp" else spec["width"], generator=gen)
         else:
             ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"] + 1), generator=gen)
             x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -118,7 +148,7 @@ def make_batches(name: str, rank: int, count: int) -> list[tuple[torch.Tensor, t
 
 
 def loss_fn(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if name == "mlp":
+    if name in ("mlp", "mlp_tp"):
         return (out - y).square().mean()
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
@@ -169,7 +199,8 @@ class Mode:
     def context(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
-    def wrap(self, model: nn.Module, cap: float | None) -> nn.Module:
+    def wrap(self, model: nn.Module, cap: float | None, pg: Any = None) -> nn.Module:
+        """``model`` wrapped for data parallelism over ``pg`` (None: the world)."""
         raise NotImplementedError
 
 
@@ -177,8 +208,8 @@ class EagerDDP(Mode):
     name = "eager_ddp"
     compiled = False
 
-    def wrap(self, model, cap):
-        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+    def wrap(self, model, cap, pg=None):
+        return nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap)
 
 
 class DDPOptimizer(Mode):
@@ -190,8 +221,8 @@ class DDPOptimizer(Mode):
         stack.enter_context(torch._inductor.config.patch(_inductor_defaults()))
         return stack
 
-    def wrap(self, model, cap):
-        return torch.compile(nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap))
+    def wrap(self, model, cap, pg=None):
+        return torch.compile(nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap))
 
 
 class UpstreamPythonReducer(Mode):
@@ -210,8 +241,8 @@ class UpstreamPythonReducer(Mode):
         stack.enter_context(_compiled_autograd())
         return stack
 
-    def wrap(self, model, cap):
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+    def wrap(self, model, cap, pg=None):
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap)
         # DDP's constructor turns upstream's fusion on (and sets its bucket size) as a
         # global side effect; re-assert this mode's choice (restored by the patch).
         torch._inductor.config._fuse_ddp_communication = self.inductor.get(
@@ -232,9 +263,9 @@ class DDPFusion(Mode):
     def context(self):
         return ddp_fusion.config.patch(enabled=True, algorithm=self.algorithm)
 
-    def wrap(self, model, cap):
+    def wrap(self, model, cap, pg=None):
         return torch.compile(
-            ddp_fusion.DistributedDataParallel(model, bucket_cap_mb=cap, comm_dtype=self.comm_dtype)
+            ddp_fusion.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, comm_dtype=self.comm_dtype)
         )
 
 
@@ -247,8 +278,8 @@ class DDPFusionUncompiled(Mode):
     def context(self):
         return ddp_fusion.config.patch(enabled=False)
 
-    def wrap(self, model, cap):
-        return ddp_fusion.DistributedDataParallel(model, bucket_cap_mb=cap)
+    def wrap(self, model, cap, pg=None):
+        return ddp_fusion.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap)
 
 
 class EagerDDPFp16Hook(Mode):
@@ -256,10 +287,10 @@ class EagerDDPFp16Hook(Mode):
     compiled = False
     comm = False
 
-    def wrap(self, model, cap):
+    def wrap(self, model, cap, pg=None):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap)
         ddp.register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
         return ddp
 
@@ -268,7 +299,7 @@ class ComputeOnly(Mode):
     name = "compute_only"
     comm = False
 
-    def wrap(self, model, cap):
+    def wrap(self, model, cap, pg=None):
         return torch.compile(model)
 
 
@@ -307,14 +338,120 @@ def all_modes() -> dict[str, Mode]:
 # --------------------------------------------------------------------------- running
 
 
-def _count_collectives(step: Callable[[], None]) -> dict[str, int]:
-    with profile() as prof:
+_COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
+
+
+def _profile_step(step: Callable[[], None], device: str) -> dict[str, Any]:
+    """Run one step under ``torch.profiler`` and measure what it communicated and copied.
+
+    * ``collectives``: backend events (``gloo:*`` / ``nccl:*``) by name;
+    * ``bytes_reduced``: numel x element size of those events' inputs;
+    * ``copy_bytes``: bytes written by ``aten::copy_`` / ``aten::cat`` calls that are not
+      inside another aten op: copies made by reducers and backends (torch DDP's bucket
+      fill and empty, gloo's flattening of a coalesced all-reduce), not the ones inside
+      kernels (addmm copies its bias into the output) and not those Inductor generates
+      (see ``_graph_stats``);
+    * ``peak_bytes``: on CPU, the highest total of allocations made during the step and
+      not yet freed (profiler memory events); on CUDA, ``max_memory_allocated`` above
+      what was allocated when the step began;
+    * ``kernels`` (CUDA only): GPU kernels launched.
+    """
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with profile(activities=activities, record_shapes=True, profile_memory=True) as prof:
         step()
-    counts: dict[str, int] = {}
-    for e in prof.events():
-        if e.name.startswith("gloo:"):
-            counts[e.name] = counts.get(e.name, 0) + 1
-    return counts
+        if device == "cuda":
+            torch.cuda.synchronize()
+    out: dict[str, Any] = {"collectives": {}, "bytes_reduced": 0, "copy_bytes": 0}
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        if e.name.startswith(_COLLECTIVE_PREFIXES):
+            out["collectives"][e.name] = out["collectives"].get(e.name, 0) + 1
+            out["bytes_reduced"] += _nbytes(e.input_shapes, e.input_dtypes)
+        elif e.name in ("aten::copy_", "aten::cat") and not (
+                e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+            # copy_(dst, src) writes dst; cat writes the output it allocates (the
+            # profiler records no shapes for a tensor list)
+            out["copy_bytes"] += (_nbytes(e.input_shapes[:1], e.input_dtypes[:1]) if e.name == "aten::copy_"
+                                  else e.cpu_memory_usage + e.device_memory_usage)
+    if device == "cpu":  # the raw events list every allocation and free in order
+        for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+            if e.name() == "[memory]":
+                live += e.nbytes()
+                peak = max(peak, live)
+    out["peak_bytes"] = torch.cuda.max_memory_allocated() - base if device == "cuda" else peak
+    if device == "cuda":
+        out["kernels"] = sum(1 for e in prof.events() for _ in e.kernels)
+    return out
+
+
+_ITEMSIZE = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8, "long int": 8,
+             "int": 4, "bool": 1}
+
+
+def _nbytes(shapes: list, dtypes: list) -> int:
+    total = 0
+    for shape, dtype in zip(shapes, dtypes):
+        if shape and dtype in _ITEMSIZE:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * _ITEMSIZE[dtype]
+    return total
+
+
+# Statistics of every FX graph Inductor lowers in this process (post-grad, after every
+# pass, ddp_fusion's and upstream's included), appended by _capture_lowered_graphs.
+_LOWERED: list[dict[str, int]] = []
+
+
+def _capture_lowered_graphs() -> None:
+    """Record :func:`_graph_stats` of each graph handed to Inductor's lowering, so the
+    fusion copies of compiled modes are counted from the graph that really runs."""
+    from torch._inductor.graph import GraphLowering
+
+    init = GraphLowering.__init__
+
+    def recording_init(self, gm, *args, **kwargs):
+        _LOWERED.append(_graph_stats(gm.graph))
+        init(self, gm, *args, **kwargs)
+
+    GraphLowering.__init__ = recording_init
+
+
+def _graph_stats(graph: torch.fx.Graph) -> dict[str, int]:
+    """Collectives in ``graph``, the bytes they reduce, and the bytes written by ``cat``
+    nodes that feed them (the copy into a fused bucket; an upper bound, since Inductor
+    can compute a cat input directly into the bucket)."""
+    c10d = torch.ops._c10d_functional
+    collectives = {c10d.all_reduce.default, c10d.all_reduce_.default,
+                   c10d.all_reduce_coalesced.default, c10d.all_reduce_coalesced_.default,
+                   torch.ops.ddp_fusion.all_reduce_gradient.default}
+
+    def nbytes(n: Any) -> int:
+        vals = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+        vals = vals if isinstance(vals, (list, tuple)) else [vals]
+        return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+    def feeds_collective(n: torch.fx.Node, depth: int = 3) -> bool:
+        return any(u.target in collectives or (depth > 1 and feeds_collective(u, depth - 1))
+                   for u in n.users)
+
+    stats = {"collectives": 0, "bytes_reduced": 0, "fusion_copy_bytes": 0}
+    for n in graph.nodes:
+        if n.target in collectives:
+            stats["collectives"] += 1
+            arg = n.args[0]
+            stats["bytes_reduced"] += (sum(nbytes(a) for a in arg) if isinstance(arg, (list, tuple))
+                                       else nbytes(arg))
+        elif n.target is torch.ops.aten.cat.default and feeds_collective(n):
+            stats["fusion_copy_bytes"] += nbytes(n)
+    return stats
 
 
 def _stats_snapshot() -> dict[str, int]:
@@ -331,14 +468,17 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:160]}"
 
 
-def _build(model_name: str, mode: Mode, cap: float | None, batches: list):
-    """``(step, model)`` for ``mode``; ``model`` is None for comm_only."""
+def _build(model_name: str, mode: Mode, cap: float | None, batches: list, device: str = "cpu"):
+    """``(step, model)`` for ``mode``; ``model`` is None for comm_only. DP x TP models
+    are data-parallel over their DP group only."""
+    dp, tp = dp_tp_groups(model_name)
     if isinstance(mode, CommOnly):
-        numel = sum(p.numel() for p in make_model(model_name).parameters())
-        flat = torch.randn(numel)
-        return (lambda: dist.all_reduce(flat)), None
-    model = mode.wrap(make_model(model_name), cap)
+        numel = sum(p.numel() for p in make_model(model_name, tp).parameters())
+        flat = torch.randn(numel, device=device)
+        return (lambda: dist.all_reduce(flat, group=dp)), None
+    model = mode.wrap(make_model(model_name, tp).to(device), cap, dp)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
     count = [0]
 
     def step() -> None:
@@ -352,23 +492,29 @@ def _build(model_name: str, mode: Mode, cap: float | None, batches: list):
 
 
 def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
-                cap: float | None, cmd_queues: list, res_queue: Any) -> None:
+                cap: float | None, cmd_queues: list, res_queue: Any, device: str = "cpu") -> None:
     """One rank of one (model, mode, cap) job, kept alive between commands so that its
     compiled code survives while other jobs (other processes) are timed.
 
     Commands (from the parent, one per rank): ``("warmup", n)``, ``("time", n)``,
     ``("profile", None)``, ``("params", None)``, ``("stop", None)``. Each is answered
     with ``(rank, "ok", value)`` on ``res_queue``; an exception with
-    ``(rank, "error", (short, traceback))``, after which the rank exits.
+    ``(rank, "error", (short, traceback))``, after which the rank exits. On CUDA each
+    timed region is bracketed by ``torch.cuda.synchronize()``.
     """
     torch.set_num_threads(1)
     mode = all_modes()[mode_name]
     batches = make_batches(model_name, rank, 4)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     # Before entering the mode: reset() also switches compiled autograd off.
     torch._dynamo.reset()
+    _capture_lowered_graphs()
     try:
-        with torch._inductor.config.patch(compile_threads=1), mode.context():
-            step, model = _build(model_name, mode, cap, batches)
+        # The FX graph caches are off so that every job lowers (and _LOWERED records)
+        # its own graphs; compiled kernels are still cached across jobs.
+        with torch._inductor.config.patch(compile_threads=1, fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False), mode.context():
+            step, model = _build(model_name, mode, cap, batches, device)
             res_queue.put((rank, "ok", "ready"))
             while True:
                 cmd, arg = cmd_queues[rank].get()
@@ -380,6 +526,7 @@ def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
                     t0 = time.perf_counter()
                     for _ in range(arg):
                         step()
+                    sync()
                     dist.barrier()
                     value: Any = time.perf_counter() - t0
                 elif cmd == "time":
@@ -387,8 +534,10 @@ def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
                     times = []
                     for _ in range(arg):
                         dist.barrier()
+                        sync()
                         t0 = time.perf_counter()
                         step()
+                        sync()
                         times.append(1e3 * (time.perf_counter() - t0))
                     after = _stats_snapshot()
                     value = {"times_ms": times,
@@ -397,12 +546,14 @@ def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
                     dist.barrier()
                     from torch._dynamo.utils import counters
 
-                    value = {"collectives": _count_collectives(step),
-                             "counters": {k: dict(counters[k]) for k in
-                                          ("ddp_fusion", "compiled_autograd", "stats")}}
+                    value = _profile_step(step, device)
+                    # the steady-state backward: the last lowered graph with collectives
+                    value["graph"] = next((g for g in reversed(_LOWERED) if g["collectives"]), None)
+                    value["counters"] = {k: dict(counters[k]) for k in
+                                         ("ddp_fusion", "compiled_autograd", "stats")}
                 elif cmd == "params":
                     value = None if model is None else torch.cat(
-                        [p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+                        [p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy().copy()
                 else:
                     raise ValueError(f"unknown command {cmd!r}")
                 res_queue.put((rank, "ok", value))
@@ -411,6 +562,21 @@ def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
         raise
 
 
+class _ShapeOnlyGroup:
+    """Stands in for TP rank 0's group when only parameter shapes are needed."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self._size
+
+
 def model_info(model_name: str) -> dict[str, int]:
-    params = list(make_model(model_name).parameters())
-    return {"num_params": sum(p.numel() for p in params), "num_tensors": len(params)}
+    """Parameters per rank (a TP rank holds its shards)."""
+    params = list(make_model(model_name, _ShapeOnlyGroup(MODELS[model_name]["tp"])).parameters())
+    return {"num_params": sum(p.numel() for p in params), "num_tensors": len(params),
+            "grad_bytes": sum(p.numel() * p.element_size() for p in params)}

@@ -1,4 +1,5 @@
-"""Per-step training time on 2 gloo ranks (CPU) for several data-parallel paths.
+"""Per-step training time on 2 gloo ranks (CPU; 4 for DP x TP; 1 NCCL rank on a GPU) for
+several data-parallel paths.
 
 Modes (each trains a fresh copy of the same model, same seed, same data, same buckets):
 
@@ -18,19 +19,27 @@ Modes (each trains a fresh copy of the same model, same seed, same data, same bu
   ``comm_only`` (one ``all_reduce`` of a flat tensor of all gradient bytes). Lower
   bound = max of the two medians; efficiency = bound / mode's median.
 
-Each (model, mode, cap) job runs on its own pair of rank processes, which stay alive
-(compiled) for the whole run: jobs are started and warmed up (compiled) one after
-another, then timed round-robin for several rounds (the starting job rotates each
-round), so drift on the (shared) machine hits all modes alike, and no compiled code or
-global setting leaks from one mode into another. A step is zero_grad, forward, loss, backward, SGD step; each timed step starts after a
-``dist.barrier()``, and the time of a step is the max over ranks. All-reduces per step
-are counted with ``torch.profiler`` (``gloo:*`` events) over one extra step. After the
+Each (model, mode, cap) job runs on its own rank processes, which stay alive (compiled)
+for the whole run: jobs are started and warmed up (compiled) one after another, then
+timed round-robin for several rounds (the starting job rotates each round), so drift on
+the (shared) machine hits all modes alike, and no compiled code or global setting leaks
+from one mode into another. A step is zero_grad, forward, loss, backward, SGD step; each
+timed step starts after a ``dist.barrier()`` (and on CUDA a synchronize, with another
+after the step), and the time of a step is the max over ranks. All-reduces per step
+are counted with ``torch.profiler`` (``gloo:*`` / ``nccl:*`` events) over one extra step,
+which also measures bytes reduced, bytes copied and peak memory. After the
 run each mode's parameters are compared with eager DDP's (same data, same steps).
 
     python -m bench.step_time                  # both models, default buckets
     python -m bench.step_time --quick          # 2 rounds x 5 timed steps (default 10 x 5)
     python -m bench.step_time --model mlp --modes eager_ddp,ddp_fusion_concat
     python -m bench.step_time --sweep 1,5,25   # eager + ddp_fusion over bucket caps, PNG
+    python -m bench.step_time --model mlp_tp   # DP=2 x TP=2 on 4 gloo ranks
+    python -m bench.step_time --device cuda    # one GPU: world size 1, NCCL
+
+On one GPU, world size 1 measures what fusion costs or saves in kernels and copies, not
+communication (NCCL cannot put two ranks on one GPU); bench/cost_model.py projects
+communication for more GPUs.
 
 Writes a table per model to stdout and ``bench/out/step_time.json``
 (``step_time_sweep.{json,png}`` for ``--sweep``).
@@ -86,13 +95,14 @@ class JobFailed(Exception):
 
 
 class Job:
-    """One (model, mode, cap) on its own 2 rank processes, driven by commands."""
+    """One (model, mode, cap) on its own rank processes, driven by commands."""
 
-    def __init__(self, model: str, mode: str, cap: Any, pg_timeout: float) -> None:
-        self.model, self.mode, self.cap = model, mode, cap
+    def __init__(self, model: str, mode: str, cap: Any, pg_timeout: float, device: str) -> None:
+        self.model, self.mode, self.cap, self.device = model, mode, cap, device
         self.key = f"{model}|{mode}|{cap}"
+        self.world_size = world_size(model, device)
         ctx = mp.get_context("spawn")
-        self.cmd = [ctx.Queue(), ctx.Queue()]
+        self.cmd = [ctx.Queue() for _ in range(self.world_size)]
         self.res = ctx.Queue()
         self.error: str | None = None
         self.failed: str | None = None
@@ -103,9 +113,10 @@ class Job:
 
     def _run(self, pg_timeout: float) -> None:
         try:
-            run_ranks(mode_worker, world_size=2,
-                      args=(self.model, self.mode, self.cap, self.cmd, self.res),
-                      timeout=10**6, threads_per_rank=1, pg_timeout=pg_timeout)
+            run_ranks(mode_worker, world_size=self.world_size,
+                      args=(self.model, self.mode, self.cap, self.cmd, self.res, self.device),
+                      timeout=10**6, threads_per_rank=1, pg_timeout=pg_timeout,
+                      backend="nccl" if self.device == "cuda" else "gloo")
         except Exception as e:  # noqa: BLE001 - surfaced by _replies
             self.error = str(e)
 
@@ -121,7 +132,7 @@ class Job:
     def _replies(self, timeout: float) -> list[Any]:
         got: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
-        while len(got) < 2:
+        while len(got) < self.world_size:
             try:
                 rank, status, value = self.res.get(timeout=1.0)
             except queue.Empty:
@@ -133,7 +144,7 @@ class Job:
             if status == "error":
                 raise JobFailed(self._fail(value[0], value[1]))
             got[rank] = value
-        return [got[0], got[1]]
+        return [got[r] for r in range(self.world_size)]
 
     def _fail(self, short: str, tb: str) -> str:
         self.failed, self.traceback = short, tb
@@ -146,15 +157,20 @@ class Job:
         self.thread.join(timeout=30)
 
 
+def world_size(model: str, device: str) -> int:
+    """Ranks per job: the model's (2, or 4 for DP x TP) on CPU; 1 on the one GPU."""
+    return 1 if device == "cuda" else MODELS[model]["world_size"]
+
+
 def _stats(steps: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(steps), "p10_ms": _pct(steps, 0.1),
             "p90_ms": _pct(steps, 0.9), "min_ms": min(steps), "max_ms": max(steps)}
 
 
 def _run_model_jobs(specs: list[tuple[str, str, Any]], rounds: int, steps: int, warmup: int,
-                    pg_timeout: float) -> dict[str, dict[str, Any]]:
+                    pg_timeout: float, device: str) -> dict[str, dict[str, Any]]:
     """Compile every job once (one after the other), then time them round-robin."""
-    jobs = [Job(m, mode, cap, pg_timeout) for m, mode, cap in specs]
+    jobs = [Job(m, mode, cap, pg_timeout, device) for m, mode, cap in specs]
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -189,11 +205,11 @@ def _run_model_jobs(specs: list[tuple[str, str, Any]], rounds: int, steps: int, 
                 res = guard(job, f"round {r + 1}", lambda: job.ask("time", steps))
                 if res is None:
                     continue
-                per_step = [max(a, b) for a, b in zip(res[0]["times_ms"], res[1]["times_ms"])]
+                per_step = [max(ts) for ts in zip(*(r["times_ms"] for r in res))]
                 job.rec["times_ms"] += per_step
                 job.rec["round_medians_ms"].append(statistics.median(per_step))
                 job.rec["recompiles_during_timing"].append(
-                    {k: max(res[0]["recompiles"][k], res[1]["recompiles"][k]) for k in res[0]["recompiles"]})
+                    {k: max(r["recompiles"][k] for r in res) for k in res[0]["recompiles"]})
                 label = job.mode if job.cap is None else f"{job.mode}@{job.cap:g}"
                 line.append(f"{label}={statistics.median(per_step):.1f}")
             log(f"round {r + 1}/{rounds} medians ms: " + ", ".join(line))
@@ -204,18 +220,24 @@ def _run_model_jobs(specs: list[tuple[str, str, Any]], rounds: int, steps: int, 
             c = guard(job, "profile", lambda: job.ask("profile"))
             if c is not None:
                 job.rec["collectives"] = c[0]["collectives"]
-                job.rec["counters"] = [c[0]["counters"], c[1]["counters"]]
+                job.rec["counters"] = [r["counters"] for r in c]
+                # per rank; rank 0's row is shown (ranks run the same program)
+                job.rec["profile"] = [{k: v for k, v in r.items() if k != "counters"} for r in c]
             p = guard(job, "params", lambda: job.ask("params"))
             if p is not None and p[0] is not None:
                 job.rec["_params"] = p
                 if job.mode == "eager_ddp":
-                    reference[(job.model, job.cap)] = p[0]
+                    reference[(job.model, job.cap)] = p
         for job in jobs:
             p = job.rec.pop("_params", None)
             ref = reference.get((job.model, job.cap))
             if p is not None and ref is not None and job.mode not in BOUNDS:
-                job.rec["max_param_diff"] = float(max(abs(x - ref).max() for x in p))
-                job.rec["max_param_diff_between_ranks"] = float(abs(p[0] - p[1]).max())
+                # each rank against eager DDP's same rank (TP ranks hold different
+                # shards), and each rank against its DP peer on DP rank 0
+                tp = MODELS[job.model]["tp"]
+                job.rec["max_param_diff"] = float(max(abs(x - r).max() for x, r in zip(p, ref)))
+                job.rec["max_param_diff_between_ranks"] = float(
+                    max(abs(x - p[i % tp]).max() for i, x in enumerate(p)))
     finally:
         for job in jobs:
             job.stop()
@@ -233,8 +255,8 @@ def _run_model_jobs(specs: list[tuple[str, str, Any]], rounds: int, steps: int, 
 def _fmt_collectives(c: dict[str, int]) -> str:
     if not c:
         return "0"
-    main = c.get("gloo:all_reduce", 0)
-    rest = {k.removeprefix("gloo:"): v for k, v in c.items() if k != "gloo:all_reduce"}
+    main = sum(v for k, v in c.items() if k.endswith(":all_reduce"))
+    rest = {k.split(":", 1)[1]: v for k, v in c.items() if not k.endswith(":all_reduce")}
     s = str(main)
     if rest:
         s += " + " + ", ".join(f"{v} {k}" for k, v in sorted(rest.items()))
@@ -282,7 +304,37 @@ def _table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[str, 
     return "\n".join(lines), summary
 
 
-def _plot_sweep(jobs: dict[str, dict[str, Any]], models: list[str], caps: list[float], path: str) -> None:
+def _bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: str) -> str:
+    """Collectives and bytes per step (rank 0; one profiled step; MB = 1e6 bytes).
+
+    * reduced: bytes handed to the backend's collectives (profiler events);
+    * fusion copy: bytes written by ``cat`` nodes feeding a collective in the lowered
+      backward graph (compiled modes; an upper bound, Inductor can compute a cat input
+      straight into the bucket);
+    * eager copies: bytes of ``aten::copy_`` / ``aten::cat`` calls not inside another
+      aten op (torch DDP's reducer filling and emptying buckets, gloo flattening a
+      coalesced all-reduce); copies inside Inductor kernels are invisible to it;
+    * peak: highest bytes allocated during the step and not yet freed.
+    """
+    head = (f"{'mode':<34}{'all-reduces':>12}{'MB reduced':>12}{'MB fusion copy':>16}"
+            f"{'MB eager copies':>17}{'peak MB':>9}" + (f"{'kernels':>9}" if device == "cuda" else ""))
+    lines = [head, "-" * len(head)]
+    for j in jobs.values():
+        if j["model"] != model or (j["cap"] != cap and j["mode"] not in BOUNDS) or "profile" not in j:
+            continue
+        prof = j["profile"][0]
+        graph = prof.get("graph")
+        n = sum(prof["collectives"].values())
+        fusion = f"{graph['fusion_copy_bytes'] / 1e6:.2f}" if graph else "-"
+        lines.append(
+            f"{j['mode']:<34}{n:>12}{prof['bytes_reduced'] / 1e6:>12.2f}{fusion:>16}"
+            f"{prof['copy_bytes'] / 1e6:>17.2f}{prof['peak_bytes'] / 1e6:>9.1f}"
+            + (f"{prof.get('kernels', 0):>9}" if device == "cuda" else ""))
+    return "\n".join(lines)
+
+
+def _plot_sweep(jobs: dict[str, dict[str, Any]], models: list[str], caps: list[float], path: str,
+                device: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -310,7 +362,7 @@ def _plot_sweep(jobs: dict[str, dict[str, Any]], models: list[str], caps: list[f
         ax.set_xticklabels([f"{c:g}" for c in caps])
         ax.set_xlabel("bucket_cap_mb")
         ax.set_ylabel("step time, median ms (bars: p10-p90)")
-        ax.set_title(f"{model} (2 gloo ranks, CPU, torch {torch.__version__})")
+        ax.set_title(f"{model} ({world_size(model, device)} ranks, {device}, torch {torch.__version__})")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -320,7 +372,11 @@ def _plot_sweep(jobs: dict[str, dict[str, Any]], models: list[str], caps: list[f
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.step_time",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("mlp", "gpt", "all"), default="all")
+    parser.add_argument("--model", choices=("mlp", "gpt", "mlp_tp", "all"), default="all",
+                        help="all = mlp and gpt (2 ranks); mlp_tp = DP=2 x TP=2 on 4 gloo ranks")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one GPU, world size 1 with NCCL (measures fusion overhead, "
+                             "not communication)")
     parser.add_argument("--modes", default=None,
                         help=f"comma-separated subset of: {','.join(all_modes())}")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
@@ -337,10 +393,17 @@ def main() -> None:
                              "so every job compiles cold)")
     parser.add_argument("--pg-timeout", type=float, default=900.0)
     args = parser.parse_args()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device cuda: no CUDA device (torch {torch.__version__}, "
+                         f"built with CUDA {torch.version.cuda})")
+        if args.model == "mlp_tp":
+            parser.error("--model mlp_tp needs 4 ranks; on one GPU NCCL runs world size 1")
 
     rounds = args.rounds or (2 if args.quick else 10)
     steps = args.steps or 5
     models = ["mlp", "gpt"] if args.model == "all" else [args.model]
+    sizes = {world_size(m, args.device) for m in models}
     known = list(all_modes())
     if args.sweep:
         caps: list[Any] = [float(c) for c in args.sweep.split(",")]
@@ -362,8 +425,9 @@ def main() -> None:
     meta = {
         "torch": torch.__version__,
         "machine": _machine(),
-        "world_size": 2,
-        "backend": "gloo",
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+        "world_size": sorted(sizes),
+        "backend": "nccl" if args.device == "cuda" else "gloo",
         "threads_per_rank": 1,
         "rounds": rounds,
         "timed_steps_per_round": steps,
@@ -376,7 +440,8 @@ def main() -> None:
         "models": {m: MODELS[m]["desc"] for m in models},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    print(f"bench.step_time: torch {meta['torch']}, {meta['machine']}, 2 gloo ranks x 1 thread; "
+    print(f"bench.step_time: torch {meta['torch']}, {meta['machine']}, {meta['device']}, "
+          f"{'/'.join(map(str, sorted(sizes)))} {meta['backend']} ranks x 1 thread; "
           f"{njobs} jobs, each: {args.warmup} warm-up steps, then {rounds} rounds x {steps} timed "
           f"steps (round-robin over jobs), 1 profiled step; Inductor cache {cache_dir}", flush=True)
     t0 = time.perf_counter()
@@ -386,7 +451,8 @@ def main() -> None:
         meta["model_info"][model] = model_info(model)
         print(f"\n{model}: {MODELS[model]['desc']} -- compiling {len(specs[model])} jobs one after "
               f"another, then timing them round-robin", flush=True)
-        merged.update(_run_model_jobs(specs[model], rounds, steps, args.warmup, args.pg_timeout))
+        merged.update(_run_model_jobs(specs[model], rounds, steps, args.warmup, args.pg_timeout,
+                                      args.device))
     meta["wall_s"] = time.perf_counter() - t0
 
     result: dict[str, Any] = {"meta": meta, "jobs": merged, "tables": {}}
@@ -397,7 +463,9 @@ def main() -> None:
             print(f"\n== {model}: {MODELS[model]['desc']}; {meta['model_info'][model]['num_params']:,} params in "
                   f"{meta['model_info'][model]['num_tensors']} tensors; bucket cap {cap_s} ==")
             print(text)
-            result["tables"][f"{model}|{cap}"] = {"text": text, **summary}
+            bytes_text = _bytes_table(model, merged, cap, args.device)
+            print(f"-- collectives and bytes per step (rank 0, one profiled step) --\n{bytes_text}")
+            result["tables"][f"{model}|{cap}"] = {"text": text, "bytes_text": bytes_text, **summary}
     failures = {k: j["failed"] for k, j in merged.items() if j.get("failed")}
     if failures:
         print("\nfailures (full tracebacks in the JSON):")
@@ -412,7 +480,7 @@ def main() -> None:
     print(f"wrote {os.path.join(OUT_DIR, name + '.json')}")
     if args.sweep:
         png = os.path.join(OUT_DIR, "step_time_sweep.png")
-        _plot_sweep(merged, models, caps, png)
+        _plot_sweep(merged, models, caps, png, args.device)
         print(f"wrote {png}")
 
 

@@ -1,4 +1,4 @@
-"""Run a function on N local ranks (gloo on CPU): for the demo, benchmarks and tests.
+"""Run a function on N local ranks (gloo on CPU, or NCCL): for the demo, benchmarks and tests.
 
     results = run_ranks(fn, world_size=2, args=(...,))   # fn(rank, world_size, *args)
 
@@ -24,11 +24,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank, world_size, init_file, threads, fn, args, results, pg_timeout):
+def _rank_main(rank, world_size, init_file, threads, fn, args, results, pg_timeout, backend):
     try:
         torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -49,8 +51,18 @@ def run_ranks(
     timeout: float = 600.0,
     threads_per_rank: int | None = None,
     pg_timeout: float = 120.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, one process each."""
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, one process each.
+
+    ``backend="nccl"`` puts rank ``r`` on ``cuda:r``; it needs ``world_size`` GPUs."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(
+            f"run_ranks: backend='nccl' with world_size={world_size} needs {world_size} GPUs; "
+            f"this machine has {torch.cuda.device_count()}"
+        )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
@@ -59,7 +71,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, world_size, init_file, threads, fn, args, results, pg_timeout),
+                args=(r, world_size, init_file, threads, fn, args, results, pg_timeout, backend),
                 daemon=True,
             )
             for r in range(world_size)

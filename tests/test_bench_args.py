@@ -1,0 +1,65 @@
+"""The benchmark's argument handling and its per-step accounting, without running it.
+
+The GPU path of ``bench.step_time`` (``--device cuda``: one NCCL rank, synchronised
+timing, kernel counts) can only run where a GPU is lent; here it is checked that it is
+refused with a clear message where there is none, and that its bookkeeping is right.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import ddp_fusion
+from bench import step_time
+from bench._step_time_worker import _graph_stats, model_info
+from ddp_fusion.passes import fuse_ddp_allreduces
+
+
+def _main(monkeypatch, *argv):
+    monkeypatch.setattr(sys, "argv", ["python -m bench.step_time", *argv])
+    step_time.main()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_cuda_without_a_gpu_is_refused_by_name(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        _main(monkeypatch, "--device", "cuda")
+    assert e.value.code == 2
+    assert "--device cuda: no CUDA device" in capsys.readouterr().err
+
+
+def test_unknown_mode_is_refused_with_the_known_ones(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _main(monkeypatch, "--modes", "eager_ddp,ddp_fusion_concatt")
+    err = capsys.readouterr().err
+    assert "ddp_fusion_concatt" in err and "ddp_fusion_coalesced" in err
+
+
+def test_world_sizes():
+    assert step_time.world_size("mlp", "cpu") == 2
+    assert step_time.world_size("mlp_tp", "cpu") == 4
+    assert step_time.world_size("gpt", "cuda") == 1
+
+
+def test_dp_x_tp_model_holds_tp_shards():
+    # 8 blocks: W1 (1024/2 x 256), b1 (512), W2 (256 x 1024/2), b2 (256) per TP rank
+    info = model_info("mlp_tp")
+    assert info["num_tensors"] == 32
+    assert info["num_params"] == 8 * (512 * 256 + 512 + 256 * 512 + 256)
+
+
+def test_graph_stats_count_the_bucket_copy(fake_pg):
+    def backward(w1, w2):
+        g1, g2 = w1 * 2, w2 * 3
+        return (ddp_fusion.all_reduce_gradient(g1, dist.group.WORLD, name="w1"),
+                ddp_fusion.all_reduce_gradient(g2, dist.group.WORLD, name="w2"))
+
+    gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4), torch.randn(6))
+    assert _graph_stats(gm.graph) == {"collectives": 2, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 0}
+    fuse_ddp_allreduces(gm.graph, algorithm="concat")
+    assert _graph_stats(gm.graph) == {"collectives": 1, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 4 * 22}
