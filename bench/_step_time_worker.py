@@ -449,7 +449,8 @@ def _graph_stats(graph: torch.fx.Graph) -> dict[str, int]:
             arg = n.args[0]
             stats["bytes_reduced"] += (sum(nbytes(a) for a in arg) if isinstance(arg, (list, tuple))
                                        else nbytes(arg))
-        elif n.target is torch.ops.aten.cat.default and feeds_collective(n):
+        elif n.target in (torch.ops.aten.cat, torch.ops.aten.cat.default) and feeds_collective(n):
+            # (upstream's concat pass calls the overload packet ``aten.cat``)
             stats["fusion_copy_bytes"] += nbytes(n)
     return stats
 
