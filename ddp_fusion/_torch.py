@@ -68,6 +68,28 @@ def enable_compiled_autograd(compiler_fn: Callable[..., Any]) -> AbstractContext
     return enable(compiler_fn)
 
 
+def allow_dtensor_post_accumulate_grad_hooks() -> None:
+    """Let compiled autograd trace post-accumulate-grad hooks of DTensor parameters.
+
+    Tracing such a hook, compiled autograd copies the parameter with
+    ``clone_preserve_strides``, which calls ``as_strided``; DTensor does not implement
+    ``as_strided``, so the backward fails (torch 2.11 to 2.13). A DTensor's own
+    ``clone()`` keeps its placements and its local shard's strides, which is what that
+    copy is for; every other tensor still goes through torch's function. Idempotent.
+    """
+    from torch._dynamo import compiled_autograd
+
+    original = getattr(compiled_autograd, "maybe_clone", None)
+    if original is None or getattr(original, "_ddp_fusion_dtensor_aware", False):
+        return
+
+    def maybe_clone(x: torch.Tensor | None) -> torch.Tensor | None:
+        return x.clone() if x is not None and is_dtensor(x) else original(x)
+
+    maybe_clone._ddp_fusion_dtensor_aware = True  # type: ignore[attr-defined]
+    compiled_autograd.maybe_clone = maybe_clone
+
+
 def compiled_autograd_active() -> bool:
     from torch._dynamo import compiled_autograd
 

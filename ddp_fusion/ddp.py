@@ -10,7 +10,9 @@ hands the gradient to a Python bucketed reducer (reducer.py).
 
 Not supported (yet): ``broadcast_buffers`` on every forward (buffers are broadcast once,
 at construction), ``gradient_as_bucket_view``, comm hooks other than a communication
-dtype, sparse gradients, ``static_graph``, DTensor parameters. Under ``torch.compile``,
+dtype, sparse gradients, ``static_graph``. DTensor parameters (tensor parallelism on
+another mesh dimension) have their local shards reduced over the data-parallel group.
+Under ``torch.compile``,
 ``find_unused_parameters`` covers parameters unused on every rank; one unused on some
 ranks only makes the ranks' plans differ, which raises ``PlanMismatchError`` at the
 first step (see verify.py). Parameters must all live on one kind of device per process,
@@ -210,7 +212,8 @@ class DistributedDataParallel(nn.Module):
             [_torch.local_tensor(t.detach()) for t in (*module.parameters(), *module.buffers())],
             self.process_group,
         )
-        self._dtensor_params = [n for n, p in params if _torch.is_dtensor(p)]
+        if any(_torch.is_dtensor(p) for _, p in params):
+            _torch.allow_dtensor_post_accumulate_grad_hooks()
         self._state = _SyncState()
         self.reducer = EagerReducer(
             params,
@@ -235,15 +238,6 @@ class DistributedDataParallel(nn.Module):
         return self._state.require_backward_grad_sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if config.enabled and self._dtensor_params:
-            raise NotImplementedError(
-                "ddp_fusion: DTensor parameters (e.g. "
-                f"{self._dtensor_params[0]!r}) cannot go through compiled autograd in "
-                f"torch {torch.__version__}: its post-accumulate-grad hook support clones "
-                "the parameter with as_strided, which DTensor does not implement. Use "
-                "ddp_fusion.config.enabled = False for this model (torch.compile still "
-                "compiles forward and backward; gradients use the eager bucketed reducer)."
-            )
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -13,4 +13,6 @@ from _workers import upstream_dtensor_post_acc_grad_hook
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="compiled autograd: post-acc-grad hook on DTensor uses as_strided")
 def test_compiled_autograd_post_accumulate_grad_hook_on_dtensor():
+    """ddp_fusion works around this one (``_torch.allow_dtensor_post_accumulate_grad_hooks``);
+    when it passes, the work-around can go."""
     run_ranks(upstream_dtensor_post_acc_grad_hook, world_size=2, timeout=300)
