@@ -6,6 +6,7 @@ import torch
 from torch.profiler import profile
 
 import ddp_fusion
+from ddp_fusion import _torch
 
 
 def mlp(width=64, depth=4, seed=0, bias=False):
@@ -233,52 +234,7 @@ def peer_dies_mid_step(rank, world_size, compiled):
 
 
 # -- DP x TP (hand-written Megatron-style tensor parallelism) ------------------------
-import torch.distributed._functional_collectives as fcol  # noqa: E402
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Forward: identity. Backward: sum the input gradient over the TP group."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return fcol.all_reduce(grad, "sum", ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Forward: sum partial outputs over the TP group. Backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return fcol.all_reduce(x, "sum", group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class TPBlock(torch.nn.Module):
-    """x + W2 gelu(W1 x + b1) + b2 with W1 split by rows and W2 by columns over TP."""
-
-    def __init__(self, d, h, tp_group, seed):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        tp_rank, tp_size = tp_group.rank(), tp_group.size()
-        self.tp_group = tp_group
-        self.w1 = torch.nn.Parameter((torch.randn(h, d, generator=g) / d**0.5).chunk(tp_size, 0)[tp_rank].clone())
-        self.b1 = torch.nn.Parameter(torch.zeros(h).chunk(tp_size)[tp_rank].clone())
-        self.w2 = torch.nn.Parameter((torch.randn(d, h, generator=g) / h**0.5).chunk(tp_size, 1)[tp_rank].clone())
-        self.b2 = torch.nn.Parameter(torch.zeros(d))
-
-    def forward(self, x):
-        h = torch.nn.functional.gelu(
-            torch.nn.functional.linear(_CopyToTP.apply(x, self.tp_group), self.w1, self.b1)
-        )
-        return x + _ReduceFromTP.apply(torch.nn.functional.linear(h, self.w2), self.tp_group) + self.b2
+from bench._tp import TPBlock  # noqa: E402
 
 
 def dp_tp_compare(rank, world_size, dump_root):
@@ -323,7 +279,7 @@ def dp_tp_compare(rank, world_size, dump_root):
 def dtensor_tp_compare(rank, world_size, compiled):
     """DP=2 x TP=2 with DTensor parallelize_module (Colwise + Rowwise): ddp_fusion over
     the DP sub-mesh against one full, unparallelized model trained on both DP ranks'
-    data. Returns the max difference of the full parameters (or the error raised)."""
+    data. Returns the max difference of the full parameters and ddp_fusion's counters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -339,18 +295,19 @@ def dtensor_tp_compare(rank, world_size, compiled):
         model = torch.compile(ddp)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(full.parameters(), lr=0.1)
-        try:
-            for _ in range(3):
-                xs = [torch.randn(4, 16, generator=g) for g in gens]
-                opt.zero_grad()
-                model(xs[mesh["dp"].get_local_rank()]).square().mean().backward()
-                opt.step()
-                ref_opt.zero_grad()
-                torch.stack([full(x).square().mean() for x in xs]).mean().backward()
-                ref_opt.step()
-        except NotImplementedError as e:
-            return str(e)
-    return max((p.full_tensor() - q).abs().max().item() for p, q in zip(tp_model.parameters(), full.parameters()))
+        for _ in range(3):
+            xs = [torch.randn(4, 16, generator=g) for g in gens]
+            opt.zero_grad()
+            model(xs[mesh["dp"].get_local_rank()]).square().mean().backward()
+            opt.step()
+            ref_opt.zero_grad()
+            torch.stack([full(x).square().mean() for x in xs]).mean().backward()
+            ref_opt.step()
+    return {
+        "max_diff": max((p.full_tensor() - q).abs().max().item()
+                        for p, q in zip(tp_model.parameters(), full.parameters())),
+        "ddp_fusion": dict(_torch.counters()["ddp_fusion"]),
+    }
 
 
 def upstream_dtensor_post_acc_grad_hook(rank, world_size):
@@ -367,3 +324,131 @@ def upstream_dtensor_post_acc_grad_hook(rank, world_size):
     model.weight.register_post_accumulate_grad_hook(lambda p: None)
     with _torch.enable_compiled_autograd(torch.compile):
         torch.compile(model)(torch.randn(2, 8)).sum().backward()
+
+
+# -- several process groups, fp32 + bf16 parameters (issue 4) ------------------------
+class MixedPrecisionBlock(torch.nn.Module):
+    """An fp32 Linear, then a bf16 Linear (activations cast to bf16 and back to fp32):
+    one DDP wrapper around it holds parameters of both dtypes."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.b_fp32 = torch.nn.Linear(width, width)
+        self.b_bf16 = torch.nn.Linear(width, width).to(torch.bfloat16)
+
+    def forward(self, x):
+        x = torch.tanh(self.b_fp32(x))
+        return self.b_bf16(x.to(torch.bfloat16)).float()
+
+
+class TwoGroupModel(torch.nn.Module):
+    """``a`` (fp32) wrapped by ``wrap(module, group_a)``, then ``b`` (fp32 + bf16) by
+    ``wrap(module, group_b)``. Parameter names differ between the two parts, so a
+    gradient's name in a bucket plan tells which wrapper it belongs to."""
+
+    def __init__(self, wrap, group_a, group_b, width=32, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        from collections import OrderedDict
+
+        self.a = wrap(
+            torch.nn.Sequential(
+                OrderedDict(
+                    a1=torch.nn.Linear(16, width), act=torch.nn.Tanh(), a2=torch.nn.Linear(width, width)
+                )
+            ),
+            group_a,
+        )
+        self.b = wrap(MixedPrecisionBlock(width), group_b)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _train_from_zero_grads(model, batches, lr=0.1):
+    """SGD over ``batches``; returns the all-reduce count of the last step. The loss sums
+    over features so that updates are well above bf16's resolution (a bf16 gradient
+    reduced wrongly then shows). ``.grad`` starts as zeros (not None), so compiled
+    autograd builds one backward graph (the steady-state one) instead of two: it keeps
+    the test fast, and the math is the same."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def step(x):
+        opt.zero_grad(set_to_none=False)
+        model(x).square().sum(-1).mean().backward()
+        opt.step()
+
+    for x in batches[:-1]:
+        step(x)
+    return count_all_reduces(lambda: step(batches[-1]))
+
+
+def groups_and_dtypes(rank, world_size, algorithms, dump_root, steps=4):
+    """Two DDP wrappers on two different process groups (same ranks), one of them with
+    fp32 and bf16 parameters: eager torch DDP (reference) and ddp_fusion compiled with
+    each algorithm. Returns parameters (dtype name, values as lists: tensors do not
+    travel through the result queue once the rank has exited), collectives per step,
+    ddp_fusion counters and bucket plans, and which group and dtype each parameter has."""
+    import glob
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    group_a, group_b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    batches = [torch.randn(8, 16, generator=gen) for _ in range(steps)]
+    params = lambda m: {
+        n: (str(p.dtype).removeprefix("torch."), p.detach().float().tolist())
+        for n, p in m.named_parameters()
+    }
+
+    ref = TwoGroupModel(
+        lambda m, g: torch.nn.parallel.DistributedDataParallel(m, process_group=g), group_a, group_b
+    )
+    ref_collectives = _train_from_zero_grads(ref, batches)
+    out = {
+        "groups": (group_a.group_name, group_b.group_name),
+        "ref": {
+            "params": params(ref),
+            "collectives": ref_collectives,
+            "buckets": sum(
+                len(w._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
+                for w in (ref.a, ref.b)
+            ),
+        },
+    }
+    for algorithm in algorithms:
+        torch._dynamo.reset()  # before the patch: reset turns compiled autograd off
+        counters.clear()
+        dump_dir = os.path.join(dump_root, algorithm)
+        # The FX graph cache off: a graph served from it skips the pass, and then there
+        # would be no plan (dump, counters) to check.
+        with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(
+            enabled=True, algorithm=algorithm, dump_dir=dump_dir
+        ):
+            model = TwoGroupModel(
+                lambda m, g: ddp_fusion.DistributedDataParallel(m, process_group=g),
+                group_a,
+                group_b,
+            )
+            collectives = _train_from_zero_grads(torch.compile(model), batches)
+        out[algorithm] = {
+            "params": params(model),
+            "collectives": collectives,
+            "counters": dict(counters["ddp_fusion"]),
+            "plans": [
+                json.load(open(f))
+                for f in sorted(glob.glob(os.path.join(dump_dir, f"rank{rank}_*.buckets.json")))
+            ],
+            # gradient name in the plan -> (group, dtype) of its parameter
+            "grad_keys": {
+                n: (w.process_group.group_name, str(p.dtype).removeprefix("torch."))
+                for w in (model.a, model.b)
+                for n, p in w.module.named_parameters()
+            },
+        }
+    return out
