@@ -71,7 +71,7 @@ BOUNDS = ("compute_only", "comm_only")
 SWEEP_MODES = ("eager_ddp", "ddp_fusion_concat", "ddp_fusion_coalesced")
 
 
-def _machine() -> str:
+def machine() -> str:
     try:
         lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
         name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Model name")), "?")
@@ -424,7 +424,7 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     meta = {
         "torch": torch.__version__,
-        "machine": _machine(),
+        "machine": machine(),
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "world_size": sorted(sizes),
         "backend": "nccl" if args.device == "cuda" else "gloo",

@@ -352,13 +352,10 @@ def test_unfused_gradient_is_reported_with_its_reason(break_graph, reason, caplo
     assert {u.node for u in result.unfused} == set(left)
 
 
-@pytest.mark.usefixtures("fake_pg")
-def test_dp_x_tp_backward_graph():
-    """A DP x TP backward: TP all-reduces (on the TP group) sit between gradients reduced
-    over the DP group. The DP gradients still form DDP's buckets across them, the TP
-    all-reduces keep their inputs and relative order, and each group is bucketed apart."""
-    tp = dist.new_group(ranks=[0, 1])
-    dp = dist.new_group(ranks=[0])
+def _check_dp_x_tp_backward(dp, tp):
+    """A DP x TP backward: TP all-reduces (on ``tp``) sit between gradients reduced over
+    ``dp``. The DP gradients still form DDP's buckets across them, the TP all-reduces keep
+    their inputs and relative order, and each group is bucketed apart."""
 
     def backward(g_out, w2, w1, b1):
         gw2 = g_out.t() @ w2
@@ -381,3 +378,21 @@ def test_dp_x_tp_backward_graph():
     assert after[:2] == tp_nodes and [n.args for n in after[:2]] == tp_args
     assert after[2].args[2] == dp.group_name
     torch.testing.assert_close(gm(*args), backward(*args), rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_dp_x_tp_backward_graph():
+    _check_dp_x_tp_backward(dp=dist.new_group(ranks=[0]), tp=dist.new_group(ranks=[0, 1]))
+
+
+@pytest.mark.usefixtures("fake_pg")
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1)], ids=["dp1xtp2", "dp2xtp1"])
+def test_dp_x_tp_on_a_2d_device_mesh(shape):
+    """The groups come from a 2-D ``DeviceMesh`` (``mesh["dp"]``, ``mesh["tp"]``), as
+    users build them. The fake world has 2 ranks, so one dimension has size 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"].get_group(), mesh["tp"].get_group()
+    assert dp.group_name != tp.group_name
+    _check_dp_x_tp_backward(dp, tp)
