@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
+import unittest.mock
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -252,16 +253,28 @@ class UpstreamPythonReducer(Mode):
 
 
 class DDPFusion(Mode):
-    def __init__(self, algorithm: str, comm_dtype: torch.dtype | None = None) -> None:
+    """``peak_memory_reorder``: ddp_fusion as it was before it turned Inductor's
+    peak-memory reordering off for the backward graph (which pulls each bucket's wait
+    up to its collective), to measure what that costs."""
+
+    def __init__(self, algorithm: str, comm_dtype: torch.dtype | None = None,
+                 peak_memory_reorder: bool = False) -> None:
         self.algorithm = algorithm
         self.comm_dtype = comm_dtype
+        self.peak_memory_reorder = peak_memory_reorder
         suffix = f"_{str(comm_dtype).removeprefix('torch.')}" if comm_dtype else ""
+        suffix += "_peak_memory_reorder" if peak_memory_reorder else ""
         self.name = f"ddp_fusion_{algorithm}{suffix}"
         # an fp16 wire changes the numbers: compare it with eager DDP + fp16 hook
         self.comm = comm_dtype is None
 
     def context(self):
-        return ddp_fusion.config.patch(enabled=True, algorithm=self.algorithm)
+        stack = contextlib.ExitStack()
+        stack.enter_context(ddp_fusion.config.patch(enabled=True, algorithm=self.algorithm))
+        if self.peak_memory_reorder:
+            stack.enter_context(unittest.mock.patch.object(
+                ddp_fusion._torch, "inductor_options_keeping_node_order", dict))
+        return stack
 
     def wrap(self, model, cap, pg=None):
         return torch.compile(
@@ -326,6 +339,7 @@ def all_modes() -> dict[str, Mode]:
         UpstreamPythonReducer("compiled_autograd_nofusion", {}),
         DDPFusion("concat"),
         DDPFusion("coalesced"),
+        DDPFusion("concat", peak_memory_reorder=True),
         DDPFusionUncompiled(),
         EagerDDPFp16Hook(),
         DDPFusion("concat", torch.float16),

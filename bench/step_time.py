@@ -15,6 +15,9 @@ Modes (each trains a fresh copy of the same model, same seed, same data, same bu
 * ``compiled_autograd_nofusion``: python reducer + compiled autograd, no fusion.
 * ``ddp_fusion_concat`` / ``ddp_fusion_coalesced``: ``torch.compile(
   ddp_fusion.DistributedDataParallel(...))`` with ``ddp_fusion.config.enabled``.
+* ``ddp_fusion_concat_peak_memory_reorder``: the same with Inductor's peak-memory
+  reordering left on for the backward graph (ddp_fusion's behaviour before 2026-11-23),
+  which moves each bucket's wait up to its collective.
 * bounds: ``compute_only`` (``torch.compile(model)``, no communication) and
   ``comm_only`` (one ``all_reduce`` of a flat tensor of all gradient bytes). Lower
   bound = max of the two medians; efficiency = bound / mode's median.

@@ -5,14 +5,15 @@ On: the pass goes into ``torch._inductor.config.post_grad_custom_post_pass`` as 
 FX graph cache stays on and a config change is a cache miss). A pass the user installed
 first is kept and runs before ours. Compiled autograd is switched on for every
 ``backward()`` in the process, because the DDP hooks only reach the pass through a
-compiled-autograd graph.
+compiled-autograd graph. With ``schedule_waits`` on, those backward graphs compile with
+Inductor's peak-memory reordering off, which would otherwise move each bucket's wait
+back up next to its collective (``_torch.inductor_options_keeping_node_order``).
 
 Off: both are undone (a user pass installed before ours is restored).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 from typing import Any
@@ -57,6 +58,13 @@ class _Chain(_CustomGraphPass):
 
 
 THE_PASS = FuseDDPAllReduces()
+
+
+def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
+    """Compiled autograd's compiler: Inductor, keeping the node order the pass chose
+    when ``schedule_waits`` is on (read when each backward graph is compiled)."""
+    options = _torch.inductor_options_keeping_node_order() if config.schedule_waits else {}
+    return torch.compile(graph_module, backend="inductor", options=options or None)
 _installed: dict[str, Any] = {}
 
 
@@ -68,7 +76,7 @@ def install() -> None:
         inductor.post_grad_custom_post_pass = new
         _installed.update(slot=new, previous=current)
     if "compiled_autograd" not in _installed:
-        ctx = _torch.enable_compiled_autograd(functools.partial(torch.compile, backend="inductor"))
+        ctx = _torch.enable_compiled_autograd(compile_backward)
         ctx.__enter__()
         _installed["compiled_autograd"] = ctx
 

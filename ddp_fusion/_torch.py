@@ -68,6 +68,20 @@ def enable_compiled_autograd(compiler_fn: Callable[..., Any]) -> AbstractContext
     return enable(compiler_fn)
 
 
+def inductor_options_keeping_node_order() -> dict[str, Any]:
+    """Inductor options that keep a post-grad graph's node order through scheduling.
+
+    Inductor's ``reorder_for_peak_memory`` (on by default since torch 2.6) re-sorts the
+    scheduled nodes to lower the estimated peak memory. For a fused bucket that pulls
+    the wait and unpacking of the reduced buffer up to right after the collective and
+    pushes the collective down (both shorten the buffer's life), which undoes
+    ``schedule.sink_waits``: no backward compute is left between issue and wait.
+    """
+    if hasattr(inductor_config(), "reorder_for_peak_memory"):
+        return {"reorder_for_peak_memory": False}
+    return {}
+
+
 def allow_dtensor_post_accumulate_grad_hooks() -> None:
     """Let compiled autograd trace post-accumulate-grad hooks of DTensor parameters.
 

@@ -142,3 +142,31 @@ def test_no_sync_accumulates_without_communication_and_one_extra_graph(monkeypat
     # Only the synced backward has tagged all-reduces for the pass.
     assert counters["stats"]["unique_graphs"] == 4
     assert counters["ddp_fusion"]["graphs"] == 1
+
+
+def test_waits_stay_after_the_backward_compute_they_overlap(monkeypatch, tmp_path):
+    """Inductor's peak-memory reordering would pull the first bucket's wait up to right
+    after its collective (and push the collective down); the compiled-autograd compiler
+    turns it off, so in the generated code every collective is issued, with compute
+    between them, before the first wait."""
+    from torch.testing import FileCheck
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(128, 128), torch.nn.LayerNorm(128), torch.nn.GELU()]
+    # cap 0.1 MiB: buckets of 2, 1 and 1 layers' gradients (3 collectives)
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(128, 1))
+    with ddp_fusion.config.patch(enabled=True):
+        model = torch.compile(ddp_fusion.DistributedDataParallel(net, bucket_cap_mb=0.1))
+        model(torch.randn(16, 128)).square().sum().backward()
+    code = [p.read_text() for p in tmp_path.rglob("*.py") if "all_reduce_" in p.read_text()]
+    assert len(code) == 1
+    call = code[0].split("def call(")[1]
+    issue = "torch.ops._c10d_functional.all_reduce_.default("
+    wait = "torch.ops._c10d_functional.wait_tensor.default("
+    assert call.count(issue) == call.count(wait) == 3
+    (FileCheck().check(issue).check("extern_kernels.mm(").check(issue).check(issue)
+     .check(wait).check(wait).check(wait).run(call))
