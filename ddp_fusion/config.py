@@ -40,8 +40,9 @@ class Config:
 
     schedule_waits: bool = True
     """Move each bucket's wait to just before the first use of its result, so backward
-    compute overlaps communication. False waits right after issuing.
-    Env: ``DDP_FUSION_SCHEDULE_WAITS``."""
+    compute overlaps communication, and compile compiled-autograd backward graphs with
+    Inductor's ``reorder_for_peak_memory`` off (it would move the waits back up).
+    False waits right after issuing. Env: ``DDP_FUSION_SCHEDULE_WAITS``."""
 
     dump_dir: str | None = None
     """Write ``<stem>.before.txt``, ``<stem>.after.txt`` and ``<stem>.buckets.json`` here
