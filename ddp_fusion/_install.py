@@ -65,6 +65,8 @@ def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
     when ``schedule_waits`` is on (read when each backward graph is compiled)."""
     options = _torch.inductor_options_keeping_node_order() if config.schedule_waits else {}
     return torch.compile(graph_module, backend="inductor", options=options or None)
+
+
 _installed: dict[str, Any] = {}
 
 
