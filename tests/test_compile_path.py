@@ -157,7 +157,7 @@ def test_waits_stay_after_the_backward_compute_they_overlap(monkeypatch, tmp_pat
     layers = []
     for _ in range(4):
         layers += [torch.nn.Linear(128, 128), torch.nn.LayerNorm(128), torch.nn.GELU()]
-    # cap 0.1 MiB: 3 buckets of about 66 KiB per layer (3 collectives, asserted below)
+    # cap 0.1 MiB (a layer is about 66 KiB of gradients): 3 buckets, asserted below
     net = torch.nn.Sequential(*layers, torch.nn.Linear(128, 1))
     with ddp_fusion.config.patch(enabled=True):
         model = torch.compile(ddp_fusion.DistributedDataParallel(net, bucket_cap_mb=0.1))
