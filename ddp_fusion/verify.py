@@ -5,18 +5,26 @@ same sizes. Two things can break that in data-parallel training:
 
 * the ranks' models differ (checked once, when the wrapper is built:
   :func:`verify_params_across_ranks`);
-* the ranks compile different backward graphs, so the pass plans different buckets
-  (a parameter unused on some ranks only, rank-dependent control flow). Each fused
-  graph therefore starts with one ``ddp_fusion::plan_guard`` per process group: the
-  first time a plan runs, the ranks exchange it (one ``all_gather_object``) and every
-  rank raises :class:`PlanMismatchError` naming the difference; afterwards the guard is
-  a set lookup. The guard also yields the divisor of the bucket scaling, so Inductor
-  cannot schedule a bucket's collective before it.
+* the ranks run different backward graphs, so the pass planned different buckets (a
+  parameter unused on some ranks only, rank-dependent control flow), at the first step
+  or at any later one (one rank recompiles). Each fused graph therefore starts with one
+  ``ddp_fusion::plan_guard`` per process group and reduce op. At every run it
+  all-reduces a hash of the group's plan (two int64s, one small collective per group
+  per step); if the hashes differ, every rank exchanges its plan and raises
+  :class:`PlanMismatchError` naming the difference, before any bucket is issued.
+
+The guard also returns the divisor of the bucket scaling, read from the live process
+group at run time (the group size for ``avg``, 1 for ``sum``); nothing about the group
+is baked into the graph, so a graph served from Inductor's FX graph cache, or reused
+after the group changed size, divides correctly. And every bucket depends on it, so
+Inductor cannot issue a bucket's collective before the check.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -24,26 +32,38 @@ import torch.distributed as dist
 
 from . import _torch
 
+log = logging.getLogger("ddp_fusion")
+
 
 class PlanMismatchError(RuntimeError):
     """Ranks would issue different gradient collectives (which would hang)."""
 
 
-_verified: set[tuple[str, str]] = set()
+_plan_hashes: dict[str, int] = {}
+_reported: set[tuple[str, str]] = set()
 
 
 @torch.library.custom_op("ddp_fusion::plan_guard", mutates_args=())
-def plan_guard(group_name: str, plan: str, value: float, device: torch.device) -> torch.Tensor:
-    """``value`` as a 0-d float32 tensor, after checking (once) that every rank of the
-    group runs the same bucket ``plan``."""
-    if (group_name, plan) not in _verified:
-        verify_plan_across_ranks(group_name, plan)
-        _verified.add((group_name, plan))
-    return torch.full((), value, dtype=torch.float32, device=device)
+def plan_guard(group_name: str, plan: str, reduce_op: str, device: torch.device) -> torch.Tensor:
+    """The bucket divisor for ``reduce_op`` as a 0-d float32 tensor on ``device``, after
+    checking that every rank of the group runs the same bucket ``plan`` in this step."""
+    group = _torch.resolve_process_group(group_name)
+    if group is None:
+        raise RuntimeError(
+            f"ddp_fusion: process group {group_name!r} is not registered in this process "
+            "(was it destroyed after the model was compiled?)"
+        )
+    if (group_name, plan) not in _reported:
+        _reported.add((group_name, plan))
+        _report_plan(group_name, plan)
+    if _needs_exchange(group):
+        check_plan_across_ranks(group, group_name, plan, device)
+    divisor = group.size() if reduce_op == "avg" else 1
+    return torch.full((), divisor, dtype=torch.float32, device=device)
 
 
 @plan_guard.register_fake
-def _(group_name, plan, value, device):
+def _(group_name, plan, reduce_op, device):
     return torch.empty((), dtype=torch.float32, device=device)
 
 
@@ -54,14 +74,45 @@ def _needs_exchange(group: dist.ProcessGroup) -> bool:
     return group.size() > 1 and dist.get_backend(group) != "fake"
 
 
-def verify_plan_across_ranks(group_name: str, plan: str) -> None:
-    group = _torch.resolve_process_group(group_name)
-    if group is None or not _needs_exchange(group):
+def _plan_hash(plan: str) -> int:
+    h = _plan_hashes.get(plan)
+    if h is None:
+        digest = hashlib.blake2b(plan.encode(), digest_size=8).digest()
+        h = _plan_hashes[plan] = int.from_bytes(digest, "little", signed=True) >> 1
+    return h
+
+
+def check_plan_across_ranks(
+    group: dist.ProcessGroup, group_name: str, plan: str, device: torch.device
+) -> None:
+    """Raise :class:`PlanMismatchError` on every rank of ``group`` unless all run ``plan``.
+
+    One all-reduce (MAX) of ``[hash, -hash]``: the ranks agree exactly when the maximum
+    equals the minimum. Only on a mismatch are the plans themselves exchanged."""
+    h = _plan_hash(plan)
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, neg_low = both.tolist()
+    if high == -neg_low:
         return
     plans: list[str | None] = [None] * group.size()
     dist.all_gather_object(plans, plan, group=group)
-    if any(p != plan for p in plans):
-        raise PlanMismatchError(_describe_mismatch(group_name, plans))
+    raise PlanMismatchError(_describe_mismatch(group_name, plans))
+
+
+def _report_plan(group_name: str, plan: str) -> None:
+    """Count and log (INFO) a plan the first time this process runs it, whether the
+    graph was compiled here or served from Inductor's FX graph cache."""
+    buckets = json.loads(plan)
+    _torch.counters()["ddp_fusion"]["plans_run"] += 1
+    if log.isEnabledFor(logging.INFO):
+        log.info(
+            "ddp_fusion: running bucket plan of process group %r: %d buckets, bytes %s: %s",
+            group_name,
+            len(buckets),
+            [b["bytes"] for b in buckets],
+            plan,
+        )
 
 
 def _describe_mismatch(group_name: str, plans: Sequence[str | None]) -> str:

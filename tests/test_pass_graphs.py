@@ -71,7 +71,7 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="concat")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
-    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', 2.0, device(type='cpu'))
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', 'avg', device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
@@ -93,7 +93,7 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="coalesced")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
-    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', 2.0, device(type='cpu'))
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', 'avg', device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
@@ -176,9 +176,9 @@ class TestWhatIsFused:
         gm = trace(fn, torch.randn(3), torch.randn(2, 2))
         result = fuse(gm, algorithm="concat")
         assert [len(b.grads) for b in result.buckets] == [2]
-        # reduce_op "sum" on a group of 1: the guard's divisor is 1
+        # reduce_op "sum" on a group of 1: the guard divides by 1 at run time
         (guard,) = gm.graph.find_nodes(op="call_function", target=torch.ops.ddp_fusion.plan_guard.default)
-        assert guard.args[0] == single.group_name and guard.args[2] == 1.0
+        assert guard.args[0] == single.group_name and guard.args[2] == "sum"
         a, b = torch.randn(3), torch.randn(2, 2)
         torch.testing.assert_close(gm(a, b), (a, b))
 

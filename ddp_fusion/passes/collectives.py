@@ -56,7 +56,7 @@ def find_gradient_all_reduces(
     """Tagged all-reduces in graph order, and the ones that cannot be bucketed."""
     found: list[GradAllReduce] = []
     unfused: list[Unfused] = []
-    group_sizes: dict[str, int | None] = {}
+    registered: dict[str, bool] = {}
     for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=True):
         grad, group_name, reduce_op, limits, name, comm_dtype = _args(node)
         val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
@@ -68,10 +68,9 @@ def find_gradient_all_reduces(
         elif not all(isinstance(s, int) for s in val.shape):
             reason = "the gradient has a symbolic shape; bucket sizes must be static"
         else:
-            if group_name not in group_sizes:
-                group = _torch.resolve_process_group(group_name)
-                group_sizes[group_name] = None if group is None else group.size()
-            if group_sizes[group_name] is None:
+            if group_name not in registered:
+                registered[group_name] = _torch.resolve_process_group(group_name) is not None
+            if not registered[group_name]:
                 reason = f"process group {group_name!r} is not registered in this process"
         if reason is not None:
             unfused.append(Unfused(node, reason))
@@ -91,12 +90,6 @@ def find_gradient_all_reduces(
             )
         )
     return found, unfused
-
-
-def group_size(group_name: str) -> int:
-    group = _torch.resolve_process_group(group_name)
-    assert group is not None, group_name  # checked by find_gradient_all_reduces
-    return group.size()
 
 
 def _args(node: torch.fx.Node) -> tuple:

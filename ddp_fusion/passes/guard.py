@@ -1,12 +1,14 @@
 """Insert one ``ddp_fusion::plan_guard`` per (process group, reduce op) at graph start.
 
-    divisor = ddp_fusion.plan_guard('0', '<this group's bucket plan as JSON>', 2.0, cpu)
+    divisor = ddp_fusion.plan_guard('0', '<this group's bucket plan as JSON>', 'avg', cpu)
     ...
     flat = div(cat([...]), divisor)        # concat.py / coalesced.py
 
-The first run of a plan checks that every rank of the group runs the same one (see
-ddp_fusion/verify.py); the divisor makes every bucket of the group depend on the guard,
-so no collective can be issued before the check.
+Every run checks that every rank of the group runs the same plan, and returns the
+divisor read from the live group (see ddp_fusion/verify.py): the graph holds no group
+size, so a cached or reused graph stays correct at another world size. The divisor
+makes every bucket of the group depend on the guard, so no collective can be issued
+before the check.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import torch.fx
 from ..verify import PLAN_GUARD
 from ._graph import NodeMaker
 from .bucketing import Bucket
-from .collectives import group_size
 
 
 def plan_fingerprint(buckets: list[Bucket], group_name: str) -> str:
@@ -56,9 +57,8 @@ def insert_plan_guards(
                 continue
             if b.key.group_name not in fingerprints:
                 fingerprints[b.key.group_name] = plan_fingerprint(buckets, b.key.group_name)
-            divisor = float(group_size(b.key.group_name)) if b.key.reduce_op == "avg" else 1.0
             guards[k] = make(
                 PLAN_GUARD,
-                (b.key.group_name, fingerprints[b.key.group_name], divisor, b.key.device),
+                (b.key.group_name, fingerprints[b.key.group_name], b.key.reduce_op, b.key.device),
             )
     return guards
