@@ -102,6 +102,24 @@ def mismatched_plans(rank, world_size):
     return None
 
 
+def plans_diverge_at_step_3(rank, world_size):
+    """Both ranks use ``b`` for two steps; at the third, rank 1 stops using it (its
+    backward recompiles with fewer gradients). Returns (step, error) on each rank: every
+    rank must raise PlanMismatchError at that step, not hang in mismatched collectives."""
+    from ddp_fusion.verify import PlanMismatchError
+
+    with ddp_fusion.config.patch(enabled=True):
+        net = TwoBranch()
+        model = torch.compile(ddp_fusion.DistributedDataParallel(net))
+        for step in range(4):
+            net.use_b = not (rank == 1 and step >= 2)
+            try:
+                model(torch.randn(4, 8)).sum().backward()
+            except PlanMismatchError as e:
+                return step, str(e)
+    return None, None
+
+
 def different_models(rank, world_size):
     try:
         ddp_fusion.DistributedDataParallel(torch.nn.Linear(8, 8 + rank))

@@ -5,13 +5,23 @@ from ddp_fusion.launch import run_ranks
 
 import pytest
 
-from _workers import different_models, mismatched_plans, peer_dies_mid_step
+from _workers import different_models, mismatched_plans, peer_dies_mid_step, plans_diverge_at_step_3
 
 
 def test_rank_dependent_backward_raises_plan_mismatch_on_every_rank():
     errors = run_ranks(mismatched_plans, world_size=2, timeout=600)
     for err in errors:
         assert err is not None and "different gradient bucket plans" in err
+        assert "group rank 1 has no gradient for: b.bias, b.weight" in err
+
+
+def test_plans_that_diverge_at_a_later_step_raise_on_every_rank():
+    """Ranks agree for two steps, then one recompiles: the per-step plan check makes
+    every rank raise at that step, well within the process-group timeout."""
+    results = run_ranks(plans_diverge_at_step_3, world_size=2, timeout=300, pg_timeout=60)
+    for step, err in results:
+        assert step == 2, (step, err)
+        assert "different gradient bucket plans" in err
         assert "group rank 1 has no gradient for: b.bias, b.weight" in err
 
 
