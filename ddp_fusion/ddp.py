@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _torch
 from .config import config
@@ -121,6 +123,31 @@ def _warn_not_compiled() -> None:
 
 _warned_not_compiled: list[bool] = []
 
+# parameter -> weak reference to the live wrapper whose hooks it carries
+_owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _check_not_hooked(params: list[tuple[str, torch.Tensor]]) -> None:
+    for name, p in params:
+        ref = _owners.get(p)
+        if ref is not None and ref() is not None:
+            raise ValueError(
+                f"DistributedDataParallel: parameter {name!r} already carries the gradient "
+                "hooks of a live ddp_fusion.DistributedDataParallel; wrapping it again would "
+                "reduce its gradient twice. Wrap the module once, or delete the other "
+                "wrapper first"
+            )
+
+
+def _release(handles: list[Any], params: list[torch.Tensor]) -> None:
+    """Undo a wrapper's hooks once it is garbage (weakref.finalize)."""
+    for h in handles:
+        h.remove()
+    for p in params:
+        ref = _owners.get(p)
+        if ref is not None and ref() is None:
+            del _owners[p]
+
 
 class DistributedDataParallel(nn.Module):
     """Drop-in for :class:`torch.nn.parallel.DistributedDataParallel`.
@@ -207,6 +234,7 @@ class DistributedDataParallel(nn.Module):
                 "put the module on one device per process"
             )
 
+        _check_not_hooked(params)
         verify_params_across_ranks(list(module.named_parameters()), self.process_group)
         _broadcast_from_rank0(
             [_torch.local_tensor(t.detach()) for t in (*module.parameters(), *module.buffers())],
@@ -232,6 +260,12 @@ class DistributedDataParallel(nn.Module):
             )
             for i, (n, p) in enumerate(params)
         ]
+        me = weakref.ref(self)
+        for _, p in params:
+            _owners[p] = me
+        # Hooks hold no reference to the wrapper; once it is garbage, they go with it,
+        # and the bare module trains locally again.
+        weakref.finalize(self, _release, self._hook_handles, [p for _, p in params])
 
     @property
     def require_backward_grad_sync(self) -> bool:
