@@ -1,32 +1,44 @@
-"""Wiring into torch.compile, done when ``config.enabled`` changes.
+"""Wiring into torch, done when ``config.enabled`` changes; every effect is undone when
+it goes off. The effects, in the order they are applied (README, "What
+``enabled = True`` changes in the process", lists them for users):
 
-On: the pass goes into ``torch._inductor.config.post_grad_custom_post_pass`` as a
-``CustomGraphPass`` (its ``uuid()`` hashes the pass source and the config, so Inductor's
-FX graph cache stays on and a config change is a cache miss). A pass the user installed
-first is kept and runs before ours. Compiled autograd is switched on for every
-``backward()`` in the process, because the DDP hooks only reach the pass through a
-compiled-autograd graph. With ``schedule_waits`` on, those backward graphs compile with
-Inductor's peak-memory reordering off, which would otherwise move each bucket's wait
-back up next to its collective (``_torch.inductor_options_keeping_node_order``).
-
-Off: both are undone (a user pass installed before ours is restored).
+1. The pass goes into ``torch._inductor.config.post_grad_custom_post_pass`` as a
+   ``CustomGraphPass`` (its ``uuid()`` hashes the pass source and the config, so
+   Inductor's FX graph cache stays on and a config change is a cache miss). A pass the
+   user installed first is kept and runs before ours; off restores it.
+2. Compiled autograd is switched on for every ``backward()`` in the process (the DDP
+   hooks reach the pass only through a compiled-autograd graph), with autograd's
+   multithreading off as torch's own context does. Its compiler is
+   :func:`compile_backward`: Inductor with ``config.backward_compile_kwargs``, and, when
+   ``schedule_waits`` is on, Inductor's peak-memory reordering off *for graphs that
+   hold ddp_fusion collectives only* (it would move each bucket's wait back up next to
+   its collective). Off restores the previous compiler and multithreading setting.
+3. ``torch.nn.parallel.DistributedDataParallel`` checks at each forward whether it uses
+   torch's C++ reducer, which compiled autograd cannot run, and raises an error that
+   names ddp_fusion and the fix (instead of torch's error deep in backward).
+4. Only while a ddp_fusion wrapper holds DTensor parameters: compiled autograd copies
+   DTensor parameters with ``clone()`` (``_torch.allow_dtensor_post_accumulate_grad_hooks``).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import _torch
 from .config import config
+from .ops import ALL_REDUCE_GRADIENT
 from .passes import fuse_ddp_allreduces
 
 # The pass's behaviour is a function of these files and the config (read once).
 _SOURCES = tuple(str(p) for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
 _CustomGraphPass = _torch.custom_graph_pass_base()
+# Settings that change what the pass does (the others change what runs around it).
+_PASS_SETTINGS = ("algorithm", "schedule_waits", "dump_dir")
 
 
 class FuseDDPAllReduces(_CustomGraphPass):
@@ -36,7 +48,7 @@ class FuseDDPAllReduces(_CustomGraphPass):
         fuse_ddp_allreduces(graph)
 
     def uuid(self) -> bytes:
-        settings = {k: v for k, v in config.as_dict().items() if k != "enabled"}
+        settings = {k: getattr(config, k) for k in _PASS_SETTINGS}
         return _torch.hash_files(_SOURCES, json.dumps(settings, sort_keys=True))
 
 
@@ -60,42 +72,83 @@ class _Chain(_CustomGraphPass):
 THE_PASS = FuseDDPAllReduces()
 
 
+def _holds_ddp_fusion_collectives(graph_module: torch.fx.GraphModule) -> bool:
+    targets = (ALL_REDUCE_GRADIENT, torch.ops.ddp_fusion.all_reduce_gradient)
+    return any(n.target in targets for n in graph_module.graph.nodes if n.op == "call_function")
+
+
+def _patches_for(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
+    if config.schedule_waits and _holds_ddp_fusion_collectives(graph_module):
+        return _torch.inductor_options_keeping_node_order()
+    return {}
+
+
 def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
-    """Compiled autograd's compiler: Inductor, keeping the node order the pass chose
-    when ``schedule_waits`` is on (read when each backward graph is compiled)."""
-    options = _torch.inductor_options_keeping_node_order() if config.schedule_waits else {}
-    return torch.compile(graph_module, backend="inductor", options=options or None)
+    """Compiled autograd's compiler: ``torch.compile`` with Inductor and
+    ``config.backward_compile_kwargs`` (read when each backward graph is compiled)."""
+    kwargs = dict(config.backward_compile_kwargs)
+    backend = _torch.inductor_backend(
+        kwargs.pop("mode", None), kwargs.pop("options", None), kwargs.get("dynamic"), _patches_for
+    )
+    return torch.compile(graph_module, backend=backend, **kwargs)
 
 
-_installed: dict[str, Any] = {}
+# name -> function that undoes it, in the order applied
+_undo: dict[str, Callable[[], None]] = {}
+_wants_dtensor_clone = False
+
+
+def _install_pass() -> Callable[[], None]:
+    inductor = _torch.inductor_config()
+    previous = inductor.post_grad_custom_post_pass
+    slot = THE_PASS if previous is None else _Chain((previous, THE_PASS))
+    inductor.post_grad_custom_post_pass = slot
+
+    def undo() -> None:
+        if inductor.post_grad_custom_post_pass is slot:
+            inductor.post_grad_custom_post_pass = previous
+
+    return undo
+
+
+def _refuse_cpp_reducer(ddp: Any) -> None:
+    if _torch.stock_ddp_uses_cpp_reducer(ddp):
+        raise RuntimeError(
+            "ddp_fusion.config.enabled is on, so every backward runs under compiled "
+            "autograd, and this torch.nn.parallel.DistributedDataParallel reduces "
+            "gradients with torch's C++ reducer, which compiled autograd cannot run. Wrap "
+            "the module in ddp_fusion.DistributedDataParallel (same arguments) instead, or "
+            "turn ddp_fusion.config.enabled off for this model"
+        )
 
 
 def install() -> None:
-    inductor = _torch.inductor_config()
-    current = inductor.post_grad_custom_post_pass
-    if "slot" not in _installed:
-        new = THE_PASS if current is None else _Chain((current, THE_PASS))
-        inductor.post_grad_custom_post_pass = new
-        _installed.update(slot=new, previous=current)
-    if "compiled_autograd" not in _installed:
-        ctx = _torch.enable_compiled_autograd(compile_backward)
-        ctx.__enter__()
-        _installed["compiled_autograd"] = ctx
+    if _undo:
+        return
+    _undo["pass"] = _install_pass()
+    handle = _torch.install_compiled_autograd(compile_backward)
+    _undo["compiled_autograd"] = handle.restore
+    _undo["stock_ddp"] = _torch.patch_stock_ddp_forward(_refuse_cpp_reducer)
+    if _wants_dtensor_clone:
+        _undo["dtensor_clone"] = _torch.allow_dtensor_post_accumulate_grad_hooks()
 
 
 def uninstall() -> None:
-    inductor = _torch.inductor_config()
-    if "slot" in _installed:
-        slot, previous = _installed.pop("slot"), _installed.pop("previous")
-        if inductor.post_grad_custom_post_pass is slot:
-            inductor.post_grad_custom_post_pass = previous
-    ctx = _installed.pop("compiled_autograd", None)
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
+    if "compiled_autograd" in _undo:
+        _undo["compiled_autograd"]()  # first: it may refuse, and then nothing changed
+        del _undo["compiled_autograd"]
+    for name in reversed(list(_undo)):
+        _undo.pop(name)()
+
+
+def need_dtensor_clone() -> None:
+    """A wrapper holds DTensor parameters: apply effect 4 (now, if enabled)."""
+    global _wants_dtensor_clone
+    _wants_dtensor_clone = True
+    if _undo and "dtensor_clone" not in _undo:
+        _undo["dtensor_clone"] = _torch.allow_dtensor_post_accumulate_grad_hooks()
 
 
 def _on_change(name: str, value: Any) -> None:
     if name == "enabled":
         install() if value else uninstall()
-
-

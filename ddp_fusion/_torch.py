@@ -68,6 +68,103 @@ def enable_compiled_autograd(compiler_fn: Callable[..., Any]) -> AbstractContext
     return enable(compiler_fn)
 
 
+class CompiledAutogradHandle:
+    """Compiled autograd switched on by :func:`install_compiled_autograd`, restorable."""
+
+    def __init__(self, compiler_fn: Callable[..., Any]) -> None:
+        import functools
+
+        from torch._dynamo import compiled_autograd
+
+        self._ca = compiled_autograd
+        # What torch's own `_enable` context installs, kept so we can tell it is ours.
+        self.factory = functools.partial(compiled_autograd.AutogradCompilerInstance, compiler_fn)
+        self.prior = self._set(self.factory, True)
+        self.prior_multithreading = torch._C._is_multithreading_enabled()
+        torch._C._set_multithreading_enabled(False)  # as torch's `_enable` does
+        compiled_autograd.compiled_autograd_enabled = True
+
+    def _set(self, factory: Any, dynamic: bool) -> tuple[Any, bool]:
+        return torch._C._dynamo.compiled_autograd.set_autograd_compiler(factory, dynamic)
+
+    def current(self) -> Any:
+        """The compiler factory compiled autograd uses now (None: off)."""
+        current = self._set(None, False)
+        self._set(*current)
+        return current[0]
+
+    def is_active(self) -> bool:
+        return self.current() is self.factory
+
+    def restore(self) -> None:
+        """Put back what was there before. Refused (``RuntimeError``) while a compiled
+        autograd context opened later is still open: torch would put ddp_fusion's
+        compiler back when that context closes."""
+        current = self.current()
+        if current is not self.factory and current is not None:
+            raise RuntimeError(
+                "ddp_fusion.config.enabled = False: a compiled-autograd context opened after "
+                "ddp_fusion was enabled is still open (torch would restore ddp_fusion's "
+                "compiler when it closes); turn ddp_fusion off after leaving that context"
+            )
+        if current is self.factory:
+            self._set(*self.prior)
+            self._ca.compiled_autograd_enabled = bool(self.prior[0])
+        else:  # None: torch._dynamo.reset() switched it off meanwhile
+            self._ca.compiled_autograd_enabled = False
+        torch._C._set_multithreading_enabled(self.prior_multithreading)
+
+
+def install_compiled_autograd(compiler_fn: Callable[..., Any]) -> CompiledAutogradHandle:
+    """Compiled autograd on for every ``backward()`` in the process until the handle's
+    ``restore()``. Unlike torch's ``_enable`` context, it need not be closed in LIFO
+    order with contexts the user opened before it. (If ``torch._dynamo.reset()``
+    switched it off meanwhile, ``restore`` leaves it off.)"""
+    return CompiledAutogradHandle(compiler_fn)
+
+
+def inductor_backend(
+    mode: str | None, options: dict[str, Any] | None, dynamic: bool | None,
+    extra_patches: Callable[[torch.fx.GraphModule], dict[str, Any]],
+) -> Any:
+    """The backend ``torch.compile(backend="inductor", mode=, options=, dynamic=)`` uses,
+    plus ``extra_patches(graph)``: Inductor config patches chosen per Dynamo graph."""
+    from torch import _TorchCompileInductorWrapper
+
+    class Backend(_TorchCompileInductorWrapper):
+        def __call__(self, model_: Any, inputs_: Any, *, config_patches: Any = None) -> Any:
+            patches = {**(config_patches or {}), **extra_patches(model_)}
+            return super().__call__(model_, inputs_, config_patches=patches)
+
+    return Backend(mode, options, dynamic)
+
+
+def patch_stock_ddp_forward(check: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``check(ddp)`` at the start of every forward of a
+    ``torch.nn.parallel.DistributedDataParallel`` (its ``_pre_forward``, which runs
+    eagerly even under torch.compile). Returns the function that undoes it."""
+    cls = torch.nn.parallel.DistributedDataParallel
+    original = cls._pre_forward
+
+    def _pre_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        check(self)
+        return original(self, *inputs, **kwargs)
+
+    cls._pre_forward = _pre_forward
+
+    def undo() -> None:
+        if cls._pre_forward is _pre_forward:
+            cls._pre_forward = original
+
+    return undo
+
+
+def stock_ddp_uses_cpp_reducer(ddp: Any) -> bool:
+    """Whether a torch DDP reduces through its C++ reducer (which compiled autograd
+    cannot trace) rather than upstream's python reducer (``optimize_ddp="python_reducer"``)."""
+    return not getattr(ddp, "_use_python_reducer", False)
+
+
 def inductor_options_keeping_node_order() -> dict[str, Any]:
     """Inductor options that keep a post-grad graph's node order through scheduling.
 
@@ -82,26 +179,30 @@ def inductor_options_keeping_node_order() -> dict[str, Any]:
     return {}
 
 
-def allow_dtensor_post_accumulate_grad_hooks() -> None:
+def allow_dtensor_post_accumulate_grad_hooks() -> Callable[[], None]:
     """Let compiled autograd trace post-accumulate-grad hooks of DTensor parameters.
 
     Tracing such a hook, compiled autograd copies the parameter with
     ``clone_preserve_strides``, which calls ``as_strided``; DTensor does not implement
     ``as_strided``, so the backward fails (torch 2.11 to 2.13). A DTensor's own
     ``clone()`` keeps its placements and its local shard's strides, which is what that
-    copy is for; every other tensor still goes through torch's function. Idempotent.
+    copy is for; every other tensor still goes through torch's function. Returns the
+    function that puts torch's back.
     """
     from torch._dynamo import compiled_autograd
 
-    original = getattr(compiled_autograd, "maybe_clone", None)
-    if original is None or getattr(original, "_ddp_fusion_dtensor_aware", False):
-        return
+    original = compiled_autograd.maybe_clone
 
     def maybe_clone(x: torch.Tensor | None) -> torch.Tensor | None:
         return x.clone() if x is not None and is_dtensor(x) else original(x)
 
-    maybe_clone._ddp_fusion_dtensor_aware = True  # type: ignore[attr-defined]
     compiled_autograd.maybe_clone = maybe_clone
+
+    def undo() -> None:
+        if compiled_autograd.maybe_clone is maybe_clone:
+            compiled_autograd.maybe_clone = original
+
+    return undo
 
 
 def compiled_autograd_active() -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,6 +49,13 @@ class Config:
     """Write ``<stem>.before.txt``, ``<stem>.after.txt`` and ``<stem>.buckets.json`` here
     for every graph the pass changes. None: no dumps. Env: ``DDP_FUSION_DUMP_DIR``."""
 
+    backward_compile_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``torch.compile`` arguments for the backward graphs compiled autograd hands to
+    Inductor: any of ``mode``, ``dynamic``, ``options``, ``fullgraph`` (the backend is
+    always Inductor, where the pass runs). Give the ones you give ``torch.compile`` for
+    the forward, e.g. ``{"mode": "max-autotune"}``. Env:
+    ``DDP_FUSION_BACKWARD_COMPILE_KWARGS`` (JSON)."""
+
     def __setattr__(self, name: str, value: Any) -> None:
         validate = _VALIDATORS.get(name)
         if validate is None:
@@ -59,8 +67,12 @@ class Config:
         old = self.__dict__.get(name, _UNSET)
         object.__setattr__(self, name, value)
         if old is not _UNSET and old != value:
-            for listener in _LISTENERS:
-                listener(name, value)
+            try:
+                for listener in _LISTENERS:
+                    listener(name, value)
+            except BaseException:
+                object.__setattr__(self, name, old)  # the change did not take effect
+                raise
 
     @contextlib.contextmanager
     def patch(self, **changes: Any) -> Iterator[Config]:
@@ -114,11 +126,38 @@ def _dump_dir(name: str, value: Any) -> str | None:
     return value
 
 
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_COMPILE_KWARGS = {
+    "mode": lambda v: v in COMPILE_MODES,
+    "dynamic": lambda v: v is None or isinstance(v, bool),
+    "fullgraph": lambda v: isinstance(v, bool),
+    "options": lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) for k in v)),
+}
+
+
+def _compile_kwargs(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"ddp_fusion.config.{name} must be a dict of torch.compile arguments, got {value!r}"
+        )
+    for key, v in value.items():
+        check = _COMPILE_KWARGS.get(key)
+        if check is None:
+            raise ValueError(
+                f"ddp_fusion.config.{name}: unsupported torch.compile argument {key!r}; "
+                f"give any of {', '.join(_COMPILE_KWARGS)} (the backend is always Inductor)"
+            )
+        if not check(v):
+            raise ValueError(f"ddp_fusion.config.{name}[{key!r}] has an invalid value {v!r}")
+    return dict(value)
+
+
 _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "enabled": _bool,
     "algorithm": _algorithm,
     "schedule_waits": _bool,
     "dump_dir": _dump_dir,
+    "backward_compile_kwargs": _compile_kwargs,
 }
 
 
@@ -149,6 +188,14 @@ def from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[st
         )
     if environ.get("DDP_FUSION_DUMP_DIR"):
         values["dump_dir"] = environ["DDP_FUSION_DUMP_DIR"]
+    if environ.get("DDP_FUSION_BACKWARD_COMPILE_KWARGS"):
+        var = "DDP_FUSION_BACKWARD_COMPILE_KWARGS"
+        try:
+            parsed = json.loads(environ[var])
+            values["backward_compile_kwargs"] = _compile_kwargs("backward_compile_kwargs", parsed)
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            raise ValueError(f"environment variable {var} must be a JSON object of "
+                             f"torch.compile arguments: {e}") from None
     return values
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _torch
+from . import _install, _torch
 from .config import config
 from .ops import ALL_REDUCE_GRADIENT, REDUCE_OPS
 from .passes.bucketing import ddp_bucket_limits
@@ -241,7 +241,7 @@ class DistributedDataParallel(nn.Module):
             self.process_group,
         )
         if any(_torch.is_dtensor(p) for _, p in params):
-            _torch.allow_dtensor_post_accumulate_grad_hooks()
+            _install.need_dtensor_clone()
         self._state = _SyncState()
         self.reducer = EagerReducer(
             params,
