@@ -287,3 +287,30 @@ def fake_view(mode: Any, base: torch.Tensor, shape: list[int]) -> torch.Tensor:
     if isinstance(out, FakeTensor):
         return out
     return mode.fake_tensor_converter.from_meta_and_device(mode, out, base.fake_device)
+
+def call_with_example_inputs(fn: Callable[..., None], key: int, args: Any, kwargs: Any) -> None:
+    """``fn(key, args, kwargs)``: right away when running eagerly; at trace time, with
+    Dynamo's fake example values for the tensors, when traced by torch.compile (through
+    ``torch._dynamo.comptime``: nothing enters the graph, no graph break, no guard).
+    ``fn`` must be a module-level function and ``key`` an int."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(_call_at_trace_time, lambda: fn(key, args, kwargs))
+
+
+def _call_at_trace_time(ctx: Any) -> None:
+    from torch.utils._pytree import tree_map
+
+    def example(x: Any) -> Any:
+        return x.node.meta["example_value"] if isinstance(x, torch.fx.Proxy) else x
+
+    ctx.get_local("fn").as_python_constant()(
+        ctx.get_local("key").as_python_constant(),
+        tree_map(example, ctx.get_local("args").as_proxy()),
+        tree_map(example, ctx.get_local("kwargs").as_proxy()),
+    )
+
+
+def concrete_int(x: Any) -> int:
+    """An int, or the example value (hint) of a symbolic one, without adding a guard."""
+    return x if isinstance(x, int) else int(x.node.hint)

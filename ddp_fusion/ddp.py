@@ -22,6 +22,7 @@ as with torch DDP.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import weakref
 from collections import defaultdict
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _install, _torch
+from . import _install, _torch, ready_order
 from .config import config
 from .ops import ALL_REDUCE_GRADIENT, REDUCE_OPS
 from .passes.bucketing import ddp_bucket_limits
@@ -82,6 +83,9 @@ class _SyncState:
 
     def __init__(self) -> None:
         self.require_backward_grad_sync = True
+        self.ready_learned = False
+        # parameter index -> position in eager autograd's ready order (ready_order.py)
+        self.ready_position: tuple[int, ...] | None = None
 
 
 def _make_hook(
@@ -100,7 +104,10 @@ def _make_hook(
             # Traced by compiled autograd: one tagged all-reduce, fused by the pass.
             # A DTensor gradient: reduce its local shard over the data-parallel group.
             grad = _torch.local_tensor(param.grad)
-            reduced = ALL_REDUCE_GRADIENT(grad, group_name, "avg", limits, name, comm_dtype)
+            ready = -1 if state.ready_position is None else state.ready_position[index]
+            reduced = ALL_REDUCE_GRADIENT(
+                grad, group_name, "avg", limits, name, comm_dtype, ready
+            )
             param.grad.copy_(_torch.as_like(param.grad, reduced))
             return
         if config.enabled:
@@ -125,6 +132,29 @@ _warned_not_compiled: list[bool] = []
 
 # parameter -> weak reference to the live wrapper whose hooks it carries
 _owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# wrapper key (an int, so traced code can name it) -> weak reference to the wrapper
+_wrappers: dict[int, weakref.ref] = {}
+_keys = itertools.count()
+
+
+def _learn_ready_order(key: int, args: Any, kwargs: Any) -> None:
+    """Called at each eager forward, or once when Dynamo traces the forward (with fake
+    inputs): learn eager autograd's ready order the first time it is needed."""
+    ref = _wrappers.get(key)
+    wrapper = ref() if ref is not None else None
+    if wrapper is None or wrapper._state.ready_learned:
+        return
+    if not config.enabled or not torch.is_grad_enabled():
+        return  # only compiled autograd needs it; the eager reducer watches its hooks
+    names = [n for n, _ in wrapper._params]
+    order = ready_order.learn(wrapper.module, names, args, kwargs)
+    state = wrapper._state
+    if order is not None:
+        position = [0] * len(names)
+        for rank, i in enumerate(order):
+            position[i] = rank
+        state.ready_position = tuple(position)
+    state.ready_learned = True
 
 
 def _check_not_hooked(params: list[tuple[str, torch.Tensor]]) -> None:
@@ -139,8 +169,9 @@ def _check_not_hooked(params: list[tuple[str, torch.Tensor]]) -> None:
             )
 
 
-def _release(handles: list[Any], params: list[torch.Tensor]) -> None:
+def _release(handles: list[Any], params: list[torch.Tensor], key: int) -> None:
     """Undo a wrapper's hooks once it is garbage (weakref.finalize)."""
+    _wrappers.pop(key, None)
     for h in handles:
         h.remove()
     for p in params:
@@ -263,15 +294,19 @@ class DistributedDataParallel(nn.Module):
         me = weakref.ref(self)
         for _, p in params:
             _owners[p] = me
+        self._params = params
+        self._key = next(_keys)
+        _wrappers[self._key] = me
         # Hooks hold no reference to the wrapper; once it is garbage, they go with it,
         # and the bare module trains locally again.
-        weakref.finalize(self, _release, self._hook_handles, [p for _, p in params])
+        weakref.finalize(self, _release, self._hook_handles, [p for _, p in params], self._key)
 
     @property
     def require_backward_grad_sync(self) -> bool:
         return self._state.require_backward_grad_sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _torch.call_with_example_inputs(_learn_ready_order, self._key, args, kwargs)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -30,8 +30,11 @@ def _all_reduce_gradient(
     bucket_limits: Sequence[int],
     name: str,
     comm_dtype: torch.dtype | None = None,
+    ready_order: int = -1,
 ) -> torch.Tensor:
-    # bucket_limits and name are for the pass (bucket plan, dumps); unused here.
+    # bucket_limits, name and ready_order are for the pass (bucket plan, dumps); unused
+    # here. ready_order: this gradient's position in eager autograd's ready order (the
+    # order eager DDP buckets in), or -1 if unknown (the pass then uses graph order).
     group = _torch.resolve_process_group(group_name)
     if group is None:
         raise RuntimeError(
@@ -47,7 +50,7 @@ def _all_reduce_gradient(
 
 
 @_all_reduce_gradient.register_fake
-def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None):
+def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1):
     # Contiguous whatever the gradient's strides: what every fused form returns.
     return grad.new_empty(grad.shape)
 

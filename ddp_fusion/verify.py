@@ -9,8 +9,8 @@ same sizes. Two things can break that in data-parallel training:
   parameter unused on some ranks only, rank-dependent control flow), at the first step
   or at any later one (one rank recompiles). Each fused graph therefore starts with one
   ``ddp_fusion::plan_guard`` per process group and reduce op. At every run it
-  all-reduces a hash of the group's plan (two int64s, one small collective per group
-  per step); if the hashes differ, every rank exchanges its plan and raises
+  all-gathers a hash of the group's plan (one int64 per rank, one small collective per
+  group per step); if the hashes differ, every rank exchanges its plan and raises
   :class:`PlanMismatchError` naming the difference, before any bucket is issued.
 
 The guard also returns the divisor of the bucket scaling, read from the live process
@@ -78,7 +78,7 @@ def _plan_hash(plan: str) -> int:
     h = _plan_hashes.get(plan)
     if h is None:
         digest = hashlib.blake2b(plan.encode(), digest_size=8).digest()
-        h = _plan_hashes[plan] = int.from_bytes(digest, "little", signed=True) >> 1
+        h = _plan_hashes[plan] = int.from_bytes(digest, "little", signed=True)
     return h
 
 
@@ -87,13 +87,13 @@ def check_plan_across_ranks(
 ) -> None:
     """Raise :class:`PlanMismatchError` on every rank of ``group`` unless all run ``plan``.
 
-    One all-reduce (MAX) of ``[hash, -hash]``: the ranks agree exactly when the maximum
-    equals the minimum. Only on a mismatch are the plans themselves exchanged."""
-    h = _plan_hash(plan)
-    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    high, neg_low = both.tolist()
-    if high == -neg_low:
+    One all-gather of an int64 hash per rank (an all-gather, so it is never mistaken for
+    a bucket's all-reduce when collectives are counted). Only on a mismatch are the
+    plans themselves exchanged."""
+    mine = torch.tensor([_plan_hash(plan)], dtype=torch.int64, device=device)
+    everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    if bool((everyone == mine).all()):
         return
     plans: list[str | None] = [None] * group.size()
     dist.all_gather_object(plans, plan, group=group)

@@ -25,9 +25,9 @@ def grads_after_steps(enabled, steps=2, **config):
     """Run ``steps`` compiled forward+backward passes; return the gradients."""
     torch._dynamo.reset()
     with ddp_fusion.config.patch(enabled=enabled, **config):
-        # cap 0.02 MiB (20971 B), gradients ready as 4.w 2 KiB, 4.b, 2.w 16 KiB, 2.b,
-        # 0.w 8 KiB, 0.b: buckets [4.w .. 0.w] (26912 B) and [0.b]
-        model = torch.compile(ddp_fusion.DistributedDataParallel(mlp(), bucket_cap_mb=0.02))
+        # cap 0.015 MiB (15728 B); eager autograd's ready order is 4.b, 4.w 2 KiB, 2.b,
+        # 2.w 16 KiB, 0.b, 0.w 8 KiB: buckets [4.b .. 2.w] (18720 B) and [0.b, 0.w]
+        model = torch.compile(ddp_fusion.DistributedDataParallel(mlp(), bucket_cap_mb=0.015))
         torch.manual_seed(1)
         for _ in range(steps):
             model(torch.randn(16, 32)).square().sum().backward()
@@ -149,7 +149,6 @@ def test_waits_stay_after_the_backward_compute_they_overlap(monkeypatch, tmp_pat
     after its collective (and push the collective down); the compiled-autograd compiler
     turns it off, so in the generated code every collective is issued, with compute
     between them, before the first wait."""
-    from torch.testing import FileCheck
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
@@ -157,16 +156,18 @@ def test_waits_stay_after_the_backward_compute_they_overlap(monkeypatch, tmp_pat
     layers = []
     for _ in range(4):
         layers += [torch.nn.Linear(128, 128), torch.nn.LayerNorm(128), torch.nn.GELU()]
-    # cap 0.1 MiB (a layer is about 66 KiB of gradients): 3 buckets, asserted below
+    # cap 0.001 MiB: a bucket per Linear's weight, LayerNorms and biases between them;
+    # with Inductor's peak-memory reordering on, each wait lands right after its issue
     net = torch.nn.Sequential(*layers, torch.nn.Linear(128, 1))
     with ddp_fusion.config.patch(enabled=True):
-        model = torch.compile(ddp_fusion.DistributedDataParallel(net, bucket_cap_mb=0.1))
+        model = torch.compile(ddp_fusion.DistributedDataParallel(net, bucket_cap_mb=0.001))
         model(torch.randn(16, 128)).square().sum().backward()
     code = [p.read_text() for p in tmp_path.rglob("*.py") if "all_reduce_" in p.read_text()]
     assert len(code) == 1
     call = code[0].split("def call(")[1]
     issue = "torch.ops._c10d_functional.all_reduce_.default("
     wait = "torch.ops._c10d_functional.wait_tensor.default("
-    assert call.count(issue) == call.count(wait) == 3
-    (FileCheck().check(issue).check("extern_kernels.mm(").check(issue).check(issue)
-     .check(wait).check(wait).check(wait).run(call))
+    assert call.count(issue) == call.count(wait) > 4
+    first_issue, last_issue, first_wait = call.index(issue), call.rindex(issue), call.index(wait)
+    assert last_issue < first_wait
+    assert "extern_kernels.mm(" in call[first_issue:last_issue]

@@ -4,10 +4,18 @@ The rule is eager DDP's, after its first-iteration rebuild (``Reducer::rebuild_b
 calling ``compute_bucket_assignment_by_size`` on the gradients in ready order):
 
 * gradients are split by key (process group, dtype, device, reduce op, bucket limits);
-* within a key, in the order the gradients are computed in the graph (backward-ready
-  order), gradients join the open bucket; a bucket closes as soon as its bytes reach the
-  current limit, and then the next limit in the list applies (the last one repeats);
+* within a key, in backward-ready order, gradients join the open bucket; a bucket
+  closes as soon as its bytes reach the current limit, and then the next limit in the
+  list applies (the last one repeats);
 * whatever is left open at the end forms a last, smaller bucket.
+
+Ready order is eager autograd's when the hooks say it (``ready_order`` on each tagged
+all-reduce: the wrapper learns it once from a fake-tensor run of the model in eager
+autograd, see ``ddp_fusion/ready_order.py``), so buckets hold exactly the gradients
+eager DDP's rebuilt buckets hold; each bucket's collective then goes right after the
+last of its gradients is computed in the graph. Otherwise it is the order the graph
+computes the gradients in, which differs from eager autograd's inside a layer (a
+compiled backward computes a Linear's weight gradient before its bias gradient).
 
 The limits are DDP's: default ``[1 MiB, 25 MiB]`` (a small first bucket so the last
 gradients of backward do not wait behind a big one), ``bucket_cap_mb=c`` gives ``[c]``,
@@ -78,6 +86,57 @@ class Bucket:
 
 
 def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Bucket]:
+    """Buckets in the order their collectives are issued (the graph position of each
+    bucket's last gradient)."""
+    if grads and all(g.ready_order >= 0 for g in grads) and not _reads_reduced(graph, grads):
+        return _plan_in_ready_order(graph, grads)
+    return _plan_in_graph_order(graph, grads)
+
+
+def _split(key: BucketKey, grads: list[GradAllReduce]) -> list[Bucket]:
+    """DDP's rule over ``grads`` (one key, in ready order)."""
+    buckets: list[Bucket] = []
+    open_: list[GradAllReduce] = []
+    nbytes, limit = 0, 0
+    for g in grads:
+        open_.append(g)
+        nbytes += g.nbytes
+        if nbytes >= key.limits[limit]:
+            buckets.append(Bucket(key, open_))
+            open_, nbytes, limit = [], 0, min(limit + 1, len(key.limits) - 1)
+    if open_:
+        buckets.append(Bucket(key, open_))
+    return buckets
+
+
+def _plan_in_ready_order(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Bucket]:
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    by_key: dict[BucketKey, list[GradAllReduce]] = {}
+    for g in grads:
+        by_key.setdefault(g.key, []).append(g)
+    buckets = [
+        b
+        for key, same in by_key.items()
+        for b in _split(key, sorted(same, key=lambda g: g.ready_order))
+    ]
+    return sorted(buckets, key=lambda b: max(position[g.grad] for g in b.grads))
+
+
+def _reads_reduced(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> bool:
+    """Whether some gradient is computed from a reduced gradient (possible only in
+    hand-built graphs). Ready-order buckets could then wait on each other, so the plan
+    falls back to graph order, which cuts buckets where needed."""
+    reduced = {g.node for g in grads}
+    inputs = {g.grad for g in grads}
+    for node in graph.nodes:
+        if node not in reduced and any(i in reduced for i in node.all_input_nodes):
+            if node in inputs:
+                return True
+            reduced.add(node)
+    return False
+
+
+def _plan_in_graph_order(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Bucket]:
     """Buckets in the order they close (so, the order their collectives are issued).
 
     A gradient is *ready* where its value is computed: the position of the all-reduce's

@@ -38,6 +38,8 @@ class GradAllReduce:
     numel: int
     nbytes: int
     name: str  # parameter name given by the hook, may be ""
+    ready_order: int = -1
+    """Position in eager autograd's ready order, from the hook; -1: unknown."""
 
     @property
     def label(self) -> str:
@@ -58,7 +60,7 @@ def find_gradient_all_reduces(
     unfused: list[Unfused] = []
     registered: dict[str, bool] = {}
     for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=True):
-        grad, group_name, reduce_op, limits, name, comm_dtype = _args(node)
+        grad, group_name, reduce_op, limits, name, comm_dtype, ready_order = _args(node)
         val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
         reason = None
         if not isinstance(val, torch.Tensor):
@@ -87,6 +89,7 @@ def find_gradient_all_reduces(
                 numel=val.numel(),
                 nbytes=val.numel() * val.element_size(),
                 name=name,
+                ready_order=ready_order,
             )
         )
     return found, unfused

@@ -1,0 +1,93 @@
+"""Eager autograd's ready order, learned once per wrapper, so that buckets hold exactly
+the gradients eager torch DDP's rebuilt buckets hold.
+
+Eager DDP rebuilds its buckets after the first backward, in the order the autograd
+engine fired the gradient hooks. A compiled backward computes gradients in another order
+(a Linear's weight gradient before its bias gradient, say), and compiled autograd traces
+the hooks in that order too, so neither the graph nor the trace tells the eager order.
+The wrapper therefore runs the model once, at its first forward, in eager autograd on
+fake tensors (no data, no compute; the real parameters and buffers are not touched)
+and records the order in which the parameters' gradients become ready. Under
+torch.compile this happens while Dynamo traces the forward, with Dynamo's example
+inputs. The hooks then tag each gradient's all-reduce with its position, and the pass
+buckets in that order.
+
+If the model cannot run on fake tensors (data-dependent Python control flow, an op
+without a fake implementation), buckets follow the compiled graph's order; this is
+logged once and counted in ``counters["ddp_fusion"]["ready order: graph's"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from . import _torch
+
+log = logging.getLogger("ddp_fusion")
+
+
+def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwargs: Any) -> list[int]:
+    """Indices into ``names`` (trainable parameters of ``module``) in the order eager
+    autograd makes their gradients ready for a backward of the sum of ``module(*args,
+    **kwargs)``'s floating-point outputs; parameters that get no gradient come last, in
+    reverse order (where eager DDP's rebuild puts them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    index = {n: i for i, n in enumerate(names)}
+    order: list[int] = []
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = [_torch.concrete_int(s) for s in t.shape]
+        stride = [_torch.concrete_int(s) for s in t.stride()]
+        with mode:
+            return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+
+    with _torch.disable_compiled_autograd(), torch.enable_grad():
+        state: dict[str, torch.Tensor] = {}
+        for n, p in module.named_parameters():
+            f = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
+            if n in index:
+                f.register_post_accumulate_grad_hook(lambda _, i=index[n]: order.append(i))
+            state[n] = f
+        for n, b in module.named_buffers():
+            state[n] = mode.from_tensor(b.detach())
+        fake_args, fake_kwargs = tree_map(fake, (args, kwargs))
+        with mode:
+            out = torch.func.functional_call(module, state, fake_args, fake_kwargs)
+            losses = [
+                o.sum() for o in tree_leaves(out)
+                if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
+            ]
+            if losses:
+                torch.stack(losses).sum().backward()
+    seen = set(order)
+    return order + [i for i in reversed(range(len(names))) if i not in seen]
+
+
+_warned: set[str] = set()
+
+
+def learn(module: torch.nn.Module, names: list[str], args: Any, kwargs: Any) -> list[int] | None:
+    """``eager_ready_order``, or None (logged, counted) if the model cannot run on fake
+    tensors."""
+    try:
+        return eager_ready_order(module, names, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure means: use the graph's order
+        _torch.counters()["ddp_fusion"]["ready order: graph's"] += 1
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if reason not in _warned:
+            _warned.add(reason)
+            log.warning(
+                "ddp_fusion: could not run the model on fake tensors to learn eager "
+                "autograd's ready order (%s); buckets follow the compiled backward's "
+                "order, which can differ from eager DDP's by a gradient at a bucket edge",
+                reason,
+            )
+        return None
