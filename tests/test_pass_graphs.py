@@ -242,6 +242,37 @@ class TestWhatIsFused:
         a, b = torch.randn(3), torch.randn(3)
         torch.testing.assert_close(gm(a, b), fn(a, b))
 
+    def test_buckets_follow_the_hooks_ready_order_not_graph_order(self, fake_pg):
+        """Gradients computed in graph order a, b, c, d but tagged with eager autograd's
+        ready order b, a, d, c: with a cap of two gradients' bytes, the buckets are
+        [b, a] and [d, c], each issued after the last of its gradients in the graph."""
+        limits = [8]  # bytes: two float32 scalars-worth of 1-element gradients
+
+        def fn(a, b, c, d):
+            tag = lambda g, n, r: ALL_REDUCE_GRADIENT(g * 2, fake_pg.group_name, "avg", limits, n, None, r)
+            return tag(a, "a", 1), tag(b, "b", 0), tag(c, "c", 3), tag(d, "d", 2)
+
+        args = [torch.randn(1) for _ in range(4)]
+        gm = trace(fn, *args)
+        result = fuse(gm, algorithm="concat")
+        assert [[g.name for g in b.grads] for b in result.buckets] == [["b", "a"], ["d", "c"]]
+        torch.testing.assert_close(gm(*args), fn(*args))
+
+    def test_ready_order_is_ignored_when_a_gradient_reads_a_reduced_one(self, fake_pg):
+        """b is computed from a's reduced value: buckets in ready order could wait on each
+        other, so the plan uses graph order and cuts there."""
+
+        def fn(a):
+            ra = ALL_REDUCE_GRADIENT(a * 2, fake_pg.group_name, "avg", [1 << 20], "a", None, 1)
+            rb = ALL_REDUCE_GRADIENT(ra + 1, fake_pg.group_name, "avg", [1 << 20], "b", None, 0)
+            return ra, rb
+
+        gm = trace(fn, torch.randn(3))
+        result = fuse(gm, algorithm="concat")
+        assert [b.grads[0].name for b in result.buckets] == ["a", "b"]
+        a = torch.randn(3)
+        torch.testing.assert_close(gm(a), fn(a))
+
     def test_no_tagged_all_reduce_leaves_graph_alone(self):
         gm = trace(lambda x: x * 2, torch.randn(3))
         code = gm.code
