@@ -14,8 +14,10 @@ dtype, sparse gradients, ``static_graph``. DTensor parameters (tensor parallelis
 another mesh dimension) have their local shards reduced over the data-parallel group.
 Under ``torch.compile``,
 ``find_unused_parameters`` covers parameters unused on every rank; one unused on some
-ranks only makes the ranks' plans differ, which raises ``PlanMismatchError`` at the
-first step (see verify.py). Parameters must all live on one kind of device per process,
+ranks only makes the ranks' plans differ, which raises ``PlanMismatchError`` at that
+step (see verify.py). At its first forward with ``config.enabled`` on, the wrapper
+learns eager autograd's ready order from a fake-tensor run (ready_order.py), so the
+pass buckets as eager DDP does. Parameters must all live on one kind of device per process,
 as with torch DDP.
 """
 
