@@ -11,7 +11,7 @@ import ddp_fusion
 from ddp_fusion import _torch
 from ddp_fusion.passes.bucketing import ddp_bucket_limits
 
-from _workers import count_all_reduces
+from _workers import train
 
 BUCKET_ARGS = {
     "default": {},
@@ -54,25 +54,13 @@ def bucket_membership(rank, world_size, dump_root, steps=3):
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(8, 300, generator=gen) for _ in range(steps)]
 
-    def train(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-
-        def step(x):
-            opt.zero_grad(set_to_none=False)
-            model(x).square().mean().backward()
-            opt.step()
-
-        for x in batches[:-1]:
-            step(x)
-        return count_all_reduces(lambda: step(batches[-1]))
-
     out = {}
     for label, kwargs in BUCKET_ARGS.items():
         limits = ddp_bucket_limits(kwargs.get("bucket_cap_mb"), kwargs.get("bucket_cap_mb_list"))
         want = eager_buckets(copy.deepcopy(base), limits)
         with ddp_fusion.config.patch(enabled=False):
             ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), **kwargs)
-            train(ref)
+            train(ref, batches)
         sizes = [int(s) for s in ref._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(",")]
         params = dict(base.named_parameters())
         dump_dir = os.path.join(dump_root, f"rank{rank}_{label}")
@@ -81,7 +69,7 @@ def bucket_membership(rank, world_size, dump_root, steps=3):
             enabled=True, dump_dir=dump_dir
         ):
             model = torch.compile(ddp_fusion.DistributedDataParallel(copy.deepcopy(base), **kwargs))
-            collectives = train(model)
+            collectives = train(model, batches)
         plans = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(dump_dir, "*.buckets.json")))]
         out[label] = {
             "torch_rebuilt_sizes": sizes,
