@@ -310,22 +310,6 @@ def dtensor_tp_compare(rank, world_size, compiled):
     }
 
 
-def upstream_dtensor_post_acc_grad_hook(rank, world_size):
-    """Upstream limit, no ddp_fusion involved: a post-accumulate-grad hook on a DTensor
-    parameter under compiled autograd fails (torch clones the parameter with as_strided,
-    which DTensor does not implement)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    from ddp_fusion import _torch
-
-    mesh = init_device_mesh("cpu", (2,))
-    model = parallelize_module(torch.nn.Linear(8, 8), mesh, ColwiseParallel())
-    model.weight.register_post_accumulate_grad_hook(lambda p: None)
-    with _torch.enable_compiled_autograd(torch.compile):
-        torch.compile(model)(torch.randn(2, 8)).sum().backward()
-
-
 # -- several process groups, fp32 + bf16 parameters (issue 4) ------------------------
 class MixedPrecisionBlock(torch.nn.Module):
     """An fp32 Linear, then a bf16 Linear (activations cast to bf16 and back to fp32):
