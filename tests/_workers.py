@@ -214,7 +214,8 @@ def training_semantics(rank, world_size):
 
 def peer_dies_mid_step(rank, world_size, compiled):
     """Rank 1 leaves after the forward; rank 0's backward must raise (not hang).
-    Returns (error type, seconds until the error) on rank 0."""
+    Returns (error type as ``module.qualname``, seconds until the error, message) on
+    rank 0."""
     import time
 
     with ddp_fusion.config.patch(enabled=compiled):
@@ -228,8 +229,9 @@ def peer_dies_mid_step(rank, world_size, compiled):
         start = time.monotonic()
         try:
             loss.backward()
-        except Exception as e:  # noqa: BLE001 - what matters is that it raises
-            return type(e).__name__, time.monotonic() - start, str(e)[:300]
+        except Exception as e:  # noqa: BLE001 - the test checks what it is
+            kind = f"{type(e).__module__}.{type(e).__qualname__}"
+            return kind, time.monotonic() - start, str(e)[:300]
         return "no error", time.monotonic() - start, ""
 
 
