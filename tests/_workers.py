@@ -120,10 +120,8 @@ def _steps(model, batches, lr=0.05, before_step=None):
 
 
 def training_semantics(rank, world_size):
-    """Issue 5 on 2 gloo ranks: uncompiled bucketed path, unused parameters, comm dtype,
-    and gradient accumulation, each against eager torch DDP."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
+    """Issues 5 and 12 on 2 gloo ranks: uncompiled bucketed path, unused parameters,
+    gradient accumulation, and communication dtypes, each against eager torch DDP."""
     out = {}
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(8, 64, generator=gen) for _ in range(4)]
@@ -169,22 +167,7 @@ def training_semantics(rank, world_size):
     except RuntimeError as e:
         out["unused_error"] = str(e)
 
-    # 3. comm_dtype=fp16 against torch DDP with fp16_compress_hook
-    ref = torch_ddp(copy.deepcopy(base))
-    ref.register_comm_hook(ref.process_group, default_hooks.fp16_compress_hook)
-    want = _steps(ref, batches)
-    got_eager = _steps(ours(copy.deepcopy(base), comm_dtype=torch.float16), batches)
-    torch._dynamo.reset()
-    with ddp_fusion.config.patch(enabled=True):
-        got_compiled = _steps(
-            torch.compile(ours(copy.deepcopy(base), comm_dtype=torch.float16)), batches
-        )
-    out["fp16"] = {
-        "eager_max_diff": max((g - w).abs().max().item() for g, w in zip(got_eager, want)),
-        "compiled_max_diff": max((g - w).abs().max().item() for g, w in zip(got_compiled, want)),
-    }
-
-    # 4. gradient accumulation, compiled: no communication inside no_sync
+    # 3. gradient accumulation, compiled: no communication inside no_sync
     torch._dynamo.reset()
     ref = torch_ddp(copy.deepcopy(base))
     with ref.no_sync():
@@ -209,6 +192,9 @@ def training_semantics(rank, world_size):
             for p, q in zip(ddp.module.parameters(), ref.module.parameters())
         ),
     }
+
+    # 4. issue 12: compiles its own models (after torch._dynamo.reset())
+    out["comm_dtype"] = comm_dtype_grads(rank, world_size)
     return out
 
 
@@ -438,3 +424,150 @@ def groups_and_dtypes(rank, world_size, algorithms, dump_root, steps=4):
             },
         }
     return out
+
+
+# -- issue 12 item 7: communication dtypes, bucket lists, unused parameters ----------
+class GradIs(torch.nn.Module):
+    """Parameters whose gradient is the input, bit for bit: the loss is
+    ``sum((p * x).sum())``, so ``dloss/dp = x`` eagerly and compiled alike, and reduced
+    gradients can be compared exactly."""
+
+    SHAPES = {"a": (64, 48), "b": (300,), "c": (16, 16, 3), "d": (5,)}
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        for name, shape in self.SHAPES.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, dtype=dtype)))
+
+    def forward(self, xs):
+        return sum((p * x).sum() for p, x in zip(self.parameters(), xs))
+
+
+def wide_range(rank, lo, hi, step=0):
+    """Rank ``rank``'s gradients for ``GradIs``: both signs, full float32 mantissas,
+    magnitudes spread over 2**lo .. 2**hi (every rank can rebuild every rank's)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for shape in GradIs.SHAPES.values():
+        magnitude = torch.exp2(torch.empty(shape).uniform_(lo, hi, generator=gen))
+        out.append(magnitude * (torch.randint(0, 2, shape, generator=gen) * 2 - 1))
+    return out
+
+
+def _grads(module):
+    return [p.grad.detach().clone() for p in module.parameters()]
+
+
+def _equal(got, want):
+    return len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _max_diff(got, want):
+    return max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
+
+
+def _frac_differ(got, want):
+    n = sum(g.numel() for g in got)
+    return sum((g != w).sum().item() for g, w in zip(got, want)) / n
+
+
+COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+
+
+class CommDtypeParts(torch.nn.Module):
+    """One ``GradIs`` per communication dtype, each wrapped by ``wrap(module, name)``;
+    every part gets the same input, so the parts differ only in how they communicate."""
+
+    def __init__(self, wrap):
+        super().__init__()
+        self.parts = torch.nn.ModuleDict({name: wrap(GradIs(), name) for name in COMM_DTYPES})
+
+    def forward(self, xs):
+        return sum(part(xs) for part in self.parts.values())
+
+
+COMM_DATA = {"normal": (-13, 13), "fp16_subnormal": (-24, -13)}
+"""Gradient magnitudes (powers of 2) for ``comm_dtype_grads``: halves stay fp16 normals,
+or are fp16 subnormals (below 2**-14)."""
+
+
+def comm_dtype_grads(rank, world_size, cap=0.004):
+    """Backward of ``CommDtypeParts`` on each ``COMM_DATA`` set (both signs, full float32
+    mantissas, so fp16 and bf16 rounding shows in almost every element): reduced
+    gradients of ddp_fusion with ``comm_dtype`` fp16 / bf16 / None, uncompiled and
+    compiled (both algorithms), and of eager torch DDP with ``fp16_compress_hook`` /
+    ``bf16_compress_hook`` / no hook, and what those hooks compute elementwise."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def bf16_hook(process_group, bucket):
+        # torch's own hook; DDP refuses it by name unless NCCL is there, gloo sums bf16
+        return default_hooks.bf16_compress_hook(process_group, bucket)
+
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook, "fp32": None}
+    groups = {name: dist.new_group(list(range(world_size))) for name in COMM_DTYPES}
+
+    def torch_ddp(module, name):
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            module, process_group=groups[name], bucket_cap_mb=cap
+        )
+        if hooks[name] is not None:
+            ddp.register_comm_hook(groups[name], hooks[name])
+        return ddp
+
+    def ours(module, name):
+        return ddp_fusion.DistributedDataParallel(
+            module, bucket_cap_mb=cap, comm_dtype=COMM_DTYPES[name]
+        )
+
+    def data(r, which):
+        return wide_range(r, *COMM_DATA[which], step=list(COMM_DATA).index(which))
+
+    def reduced(model):
+        """{data set: {comm dtype: gradients}}; .grad is None before each backward, so a
+        compiled model reuses its one backward graph."""
+        out = {}
+        for which in COMM_DATA:
+            for p in model.parameters():
+                p.grad = None
+            model(data(rank, which)).backward()
+            out[which] = {name: _grads(part.module) for name, part in model.parts.items()}
+        return out
+
+    ref = reduced(CommDtypeParts(torch_ddp))
+    out = {"ref_is_oracle": {}, "frac_differ_from_fp32": {}}
+    for which in COMM_DATA:
+        # what the hooks compute, element by element: cast, divide, sum in the dtype
+        everyone = [data(r, which) for r in range(world_size)]
+        oracle = {
+            name: [
+                sum(x.to(dtype or torch.float32) / world_size for x in xs).float()
+                for xs in zip(*everyone)
+            ]
+            for name, dtype in COMM_DTYPES.items()
+        }
+        out["ref_is_oracle"][which] = {n: _equal(ref[which][n], oracle[n]) for n in COMM_DTYPES}
+        out["frac_differ_from_fp32"][which] = {
+            n: _frac_differ(ref[which][n], ref[which]["fp32"]) for n in ("fp16", "bf16")
+        }
+    got = {"uncompiled": reduced(CommDtypeParts(ours))}
+    for algorithm in ("concat", "coalesced"):
+        torch._dynamo.reset()  # before the patch: reset turns compiled autograd off
+        counters.clear()
+        with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(
+            enabled=True, algorithm=algorithm
+        ):
+            got[algorithm] = reduced(torch.compile(CommDtypeParts(ours)))
+        out[f"{algorithm}_counters"] = dict(counters["ddp_fusion"])
+    for mode, grads in got.items():
+        out[mode] = {
+            which: {
+                n: {"equal": _equal(grads[which][n], ref[which][n]),
+                    "max_diff": _max_diff(grads[which][n], ref[which][n])}
+                for n in COMM_DTYPES
+            }
+            for which in COMM_DATA
+        }
+    return out
+

@@ -1,5 +1,5 @@
 """Training semantics against eager torch DDP on 2 gloo ranks: the uncompiled bucketed
-path, unused parameters, fp16 gradient communication, gradient accumulation."""
+path, unused parameters, gradient accumulation, fp16 / bf16 gradient communication."""
 
 import pytest
 
@@ -29,13 +29,57 @@ def test_unused_parameters(results):
     assert "find_unused_parameters=True" in results[1]["unused_error"]
 
 
-def test_fp16_comm_matches_fp16_compress_hook(results):
-    for r in results:
-        assert r["fp16"]["eager_max_diff"] < 1e-6, r
-        assert r["fp16"]["compiled_max_diff"] < 1e-6, r
-
-
 def test_no_sync_has_no_communication_and_matches_eager_ddp(results):
     for r in results:
         assert r["no_sync"]["collectives_inside"] == 0
         assert r["no_sync"]["max_diff"] < 1e-6, r
+
+
+INDUCTOR_DROPS_FP16_ROUNDING = pytest.mark.xfail(
+    strict=True,
+    reason="bug: compiled, comm_dtype=fp16 gives fp16(g / n), not fp16_compress_hook's "
+    "fp16(fp16(g) / n): Inductor drops the rounding between the pass's cast and its "
+    "scale (it keeps it with emulate_precision_casts); they differ where g / n is an fp16 "
+    "subnormal",
+)
+
+
+@pytest.mark.parametrize(
+    "data, dtype, mode",
+    [
+        pytest.param(
+            data, dtype, mode,
+            marks=INDUCTOR_DROPS_FP16_ROUNDING
+            if (data, dtype) == ("fp16_subnormal", "fp16") and mode != "uncompiled" else (),
+        )
+        for data in ("normal", "fp16_subnormal")
+        for dtype in ("fp16", "bf16")
+        for mode in ("uncompiled", "concat", "coalesced")
+    ],
+)
+def test_comm_dtype_reduces_like_torch_compress_hook(results, data, dtype, mode):
+    """Reduced gradients with ``comm_dtype`` fp16 / bf16 equal eager torch DDP's with
+    ``fp16_compress_hook`` / ``bf16_compress_hook`` bit for bit, and so does no
+    ``comm_dtype`` with no hook. The reference is the elementwise cast, halve, sum in
+    that dtype, and it differs from fp32 communication in more than 99 % of elements, so
+    any other cast or order (or an ignored ``comm_dtype``) fails ``torch.equal``. Data:
+    gradients whose halves are fp16 normals, or fp16 subnormals."""
+    for r in results:
+        c = r["comm_dtype"]
+        assert c["ref_is_oracle"][data] == {"fp16": True, "bf16": True, "fp32": True}
+        assert c["frac_differ_from_fp32"][data][dtype] > 0.99, c["frac_differ_from_fp32"]
+        assert c[mode][data]["fp32"]["equal"], c[mode][data]
+        assert c[mode][data][dtype]["equal"], c[mode][data]
+
+
+@pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+def test_comm_dtype_compiled_runs_fused(results, algorithm):
+    """The compiled comm-dtype runs went through the pass: all 12 gradients (4 per
+    dtype) fused, into more buckets than the 3 dtypes (so several keys and
+    multi-gradient buckets), none left unfused."""
+    for r in results:
+        counters = r["comm_dtype"][f"{algorithm}_counters"]
+        assert counters["fused_all_reduces"] == 12, counters
+        assert 3 < counters["buckets"] < 12, counters
+        assert not any(k.startswith("unfused") for k in counters), counters
+
