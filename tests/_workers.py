@@ -119,9 +119,12 @@ def _steps(model, batches, lr=0.05, before_step=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def training_semantics(rank, world_size):
+def training_semantics(rank, world_size, dump_root):
     """Issues 5 and 12 on 2 gloo ranks: uncompiled bucketed path, unused parameters,
-    gradient accumulation, and communication dtypes, each against eager torch DDP."""
+    gradient accumulation, communication dtypes, bucket_cap_mb_list, and unused
+    parameters under torch.compile, each against eager torch DDP."""
+    import os
+
     out = {}
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(8, 64, generator=gen) for _ in range(4)]
@@ -193,8 +196,10 @@ def training_semantics(rank, world_size):
         ),
     }
 
-    # 4. issue 12: compiles its own models (after torch._dynamo.reset())
+    # 4-6. issue 12: each section compiles its own models (after torch._dynamo.reset())
     out["comm_dtype"] = comm_dtype_grads(rank, world_size)
+    out["bucket_cap_list"] = bucket_cap_lists(rank, world_size, os.path.join(dump_root, str(rank)))
+    out["unused_compiled"] = unused_compiled(rank, world_size)
     return out
 
 
@@ -570,4 +575,74 @@ def comm_dtype_grads(rank, world_size, cap=0.004):
             for which in COMM_DATA
         }
     return out
+
+
+def bucket_cap_lists(rank, world_size, dump_dir, caps=(0.01, 0.04, 0.02), steps=3):
+    """``bucket_cap_mb_list`` against eager torch DDP given the same list: parameters after
+    ``steps`` SGD steps, and bucket sizes in bytes (torch's rebuilt buckets; the eager
+    reducer's; the compiled plan). Eight bias-free 64x64 layers, 16 KiB of gradient
+    each, in the same ready order eagerly and compiled."""
+    import glob
+    import json
+    import os
+
+    base = mlp(depth=8)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
+    lr = 10  # gradients are ~1e-5 here; a wrong reduction then moves parameters by ~1e-4
+    torch_ddp = torch.nn.parallel.DistributedDataParallel
+    ref = torch_ddp(copy.deepcopy(base), bucket_cap_mb_list=list(caps))
+    want = _steps(ref, batches, lr)
+    ours = lambda: ddp_fusion.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=caps)
+    eager = ours()
+    got_eager = _steps(eager, batches, lr)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(
+        enabled=True, dump_dir=dump_dir
+    ):
+        got_compiled = _steps(torch.compile(ours()), batches, lr)
+    (plan,) = glob.glob(os.path.join(dump_dir, f"rank{rank}_*.buckets.json"))
+    torch_sizes = ref._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+    return {
+        "torch_sizes": [int(b) for b in torch_sizes.split(",")],
+        "eager_sizes": [b.buffer.numel() * b.buffer.element_size() for b in eager.reducer.buckets],
+        "compiled_sizes": [b["bytes"] for b in json.load(open(plan))["buckets"]],
+        "eager_max_diff": _max_diff(got_eager, want),
+        "compiled_max_diff": _max_diff(got_compiled, want),
+    }
+
+
+class UnusedEverywhere(torch.nn.Module):
+    """``c`` takes part in no forward, on any rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def unused_compiled(rank, world_size, steps=3):
+    """``find_unused_parameters=True`` under torch.compile with fusion on, a parameter
+    unused on every rank: against eager torch DDP with the same flag."""
+    from torch._dynamo.utils import counters
+
+    base = UnusedEverywhere()
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
+    want = _steps(ref, batches)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(enabled=True):
+        ddp = ddp_fusion.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
+        got = _steps(torch.compile(ddp), batches)
+    return {
+        "max_diff": _max_diff(got, want),
+        "grad_is_none": [n for n, p in ddp.module.named_parameters() if p.grad is None],
+        "torch_grad_is_none": [n for n, p in ref.module.named_parameters() if p.grad is None],
+        "counters": dict(counters["ddp_fusion"]),
+    }
 

@@ -1,5 +1,6 @@
 """Training semantics against eager torch DDP on 2 gloo ranks: the uncompiled bucketed
-path, unused parameters, gradient accumulation, fp16 / bf16 gradient communication."""
+path, unused parameters (uncompiled, and unused on every rank under torch.compile),
+gradient accumulation, fp16 / bf16 gradient communication, ``bucket_cap_mb_list``."""
 
 import pytest
 
@@ -9,8 +10,9 @@ from _workers import training_semantics
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(training_semantics, world_size=2, timeout=900)
+def results(tmp_path_factory):
+    dumps = str(tmp_path_factory.mktemp("dumps"))
+    return run_ranks(training_semantics, world_size=2, args=(dumps,), timeout=900)
 
 
 def test_uncompiled_path_matches_eager_ddp_with_one_collective_per_bucket(results):
@@ -82,4 +84,33 @@ def test_comm_dtype_compiled_runs_fused(results, algorithm):
         assert counters["fused_all_reduces"] == 12, counters
         assert 3 < counters["buckets"] < 12, counters
         assert not any(k.startswith("unfused") for k in counters), counters
+
+
+def test_bucket_cap_mb_list_matches_eager_ddp(results):
+    """``bucket_cap_mb_list=[0.01, 0.04, 0.02]`` MiB over eight 16 KiB gradients: torch
+    DDP's rebuilt buckets are 16, 48, 32, 32 KiB (each cap in turn, then the last one
+    repeats; any single cap gives other sizes). The eager reducer and the compiled plan
+    build the same buckets, and parameters after 3 SGD steps match torch DDP's (exactly
+    uncompiled; compiled, to 1e-5: summing instead of averaging moves them by 4e-4)."""
+    for r in results:
+        b = r["bucket_cap_list"]
+        assert b["torch_sizes"] == [16384, 49152, 32768, 32768], b
+        assert b["eager_sizes"] == b["torch_sizes"], b
+        assert b["compiled_sizes"] == b["torch_sizes"], b
+        assert b["eager_max_diff"] == 0, b
+        assert b["compiled_max_diff"] < 1e-5, b
+
+
+def test_unused_on_every_rank_under_compile_keeps_grad_none(results):
+    """``find_unused_parameters=True``, compiled with fusion on, ``c`` used by no rank:
+    its ``.grad`` stays None as in eager torch DDP, the other parameters match torch
+    DDP's after 3 SGD steps (to 1e-5: summing instead of averaging moves them by 1e-3),
+    and the backward ran fused."""
+    for r in results:
+        u = r["unused_compiled"]
+        assert u["torch_grad_is_none"] == ["c.weight", "c.bias"]
+        assert u["grad_is_none"] == u["torch_grad_is_none"], u
+        assert u["max_diff"] < 1e-5, u
+        assert u["counters"]["fused_all_reduces"] == 4, u
+        assert not any(k.startswith("unfused") for k in u["counters"]), u
 
