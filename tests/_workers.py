@@ -646,3 +646,65 @@ def unused_compiled(rank, world_size, steps=3):
         "counters": dict(counters["ddp_fusion"]),
     }
 
+
+def reduce_dtype_bf16(rank, world_size, steps=3, cap=0.002):
+    """bf16 parameters with ``reduce_dtype=torch.float32``, uncompiled and compiled
+    (``concat``; ``coalesced``'s casts are covered by ``comm_dtype_grads``), against
+    eager torch DDP with torch's ``_compress_hook(torch.float32)`` (cast the bf16 bucket
+    to fp32, divide, all-reduce, cast back): parameters after ``steps`` SGD steps and the
+    last step's reduced gradients, compared exactly.
+
+    On 4 ranks dividing by the world size is exact, and these gradients (bf16,
+    magnitudes 2**-3 .. 2**4) sum exactly in fp32 in any order, so the fp32 reduction is
+    deterministic; communicating in bf16 instead (no ``reduce_dtype``) rounds partial
+    sums. On 2 ranks the two are bit-identical (one rounding of ``a/2 + b/2`` either way),
+    so a 2-rank test could not tell ``reduce_dtype`` from no ``reduce_dtype``."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def data(r, step):
+        return [x.to(torch.bfloat16) for x in wide_range(r, -3, 4, step)]
+
+    def train(model, module):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model(data(rank, step)).backward()
+            opt.step()
+        return [p.detach().clone() for p in module.parameters()], _grads(module)
+
+    def fp32_hook(process_group, bucket):
+        return default_hooks._compress_hook(torch.float32, process_group, bucket)
+
+    def ours(**kw):
+        return ddp_fusion.DistributedDataParallel(GradIs(torch.bfloat16), bucket_cap_mb=cap, **kw)
+
+    ref = torch.nn.parallel.DistributedDataParallel(GradIs(torch.bfloat16), bucket_cap_mb=cap)
+    ref.register_comm_hook(None, fp32_hook)
+    want_params, want_grads = train(ref, ref.module)
+    # the last step's mean, exact in float64, rounded once to bf16
+    everyone = [data(r, steps - 1) for r in range(world_size)]
+    oracle = [(sum(x.double() for x in xs) / world_size).bfloat16() for xs in zip(*everyone)]
+    out = {"ref_is_oracle": _equal(want_grads, oracle)}
+
+    bf16 = ours()  # no reduce_dtype: communicates in bf16
+    params, grads = train(bf16, bf16.module)
+    out["bf16_comm"] = {
+        "frac_grads_differ": _frac_differ(grads, want_grads),
+        "frac_params_differ": _frac_differ(params, want_params),
+    }
+    uncompiled = ours(reduce_dtype=torch.float32)
+    runs = {"uncompiled": train(uncompiled, uncompiled.module)}
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(enabled=True):
+        compiled = ours(reduce_dtype=torch.float32)
+        runs["concat"] = train(torch.compile(compiled), compiled.module)
+    for mode, (params, grads) in runs.items():
+        out[mode] = {
+            "params_equal": _equal(params, want_params),
+            "grads_equal": _equal(grads, want_grads),
+            "max_diff": _max_diff(params, want_params),
+        }
+    out["concat"]["counters"] = dict(counters["ddp_fusion"])
+    return out
