@@ -137,10 +137,11 @@ def _steps(model, batches, lr=0.05, before_step=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def training_semantics(rank, world_size):
-    """Issue 5 on 2 gloo ranks: uncompiled bucketed path, unused parameters, comm dtype,
-    and gradient accumulation, each against eager torch DDP."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def training_semantics(rank, world_size, dump_root):
+    """Issues 5 and 12 on 2 gloo ranks: uncompiled bucketed path, unused parameters,
+    gradient accumulation, communication dtypes, bucket_cap_mb_list, and unused
+    parameters under torch.compile, each against eager torch DDP."""
+    import os
 
     out = {}
     gen = torch.Generator().manual_seed(100 + rank)
@@ -187,22 +188,7 @@ def training_semantics(rank, world_size):
     except RuntimeError as e:
         out["unused_error"] = str(e)
 
-    # 3. comm_dtype=fp16 against torch DDP with fp16_compress_hook
-    ref = torch_ddp(copy.deepcopy(base))
-    ref.register_comm_hook(ref.process_group, default_hooks.fp16_compress_hook)
-    want = _steps(ref, batches)
-    got_eager = _steps(ours(copy.deepcopy(base), comm_dtype=torch.float16), batches)
-    torch._dynamo.reset()
-    with ddp_fusion.config.patch(enabled=True):
-        got_compiled = _steps(
-            torch.compile(ours(copy.deepcopy(base), comm_dtype=torch.float16)), batches
-        )
-    out["fp16"] = {
-        "eager_max_diff": max((g - w).abs().max().item() for g, w in zip(got_eager, want)),
-        "compiled_max_diff": max((g - w).abs().max().item() for g, w in zip(got_compiled, want)),
-    }
-
-    # 4. gradient accumulation, compiled: no communication inside no_sync
+    # 3. gradient accumulation, compiled: no communication inside no_sync
     torch._dynamo.reset()
     ref = torch_ddp(copy.deepcopy(base))
     with ref.no_sync():
@@ -227,12 +213,18 @@ def training_semantics(rank, world_size):
             for p, q in zip(ddp.module.parameters(), ref.module.parameters())
         ),
     }
+
+    # 4-6. issue 12: each section compiles its own models (after torch._dynamo.reset())
+    out["comm_dtype"] = comm_dtype_grads(rank, world_size)
+    out["bucket_cap_list"] = bucket_cap_lists(rank, world_size, os.path.join(dump_root, str(rank)))
+    out["unused_compiled"] = unused_compiled(rank, world_size)
     return out
 
 
 def peer_dies_mid_step(rank, world_size, compiled):
     """Rank 1 leaves after the forward; rank 0's backward must raise (not hang).
-    Returns (error type, seconds until the error) on rank 0."""
+    Returns (error type as ``module.qualname``, seconds until the error, message) on
+    rank 0."""
     import time
 
     with ddp_fusion.config.patch(enabled=compiled):
@@ -246,8 +238,9 @@ def peer_dies_mid_step(rank, world_size, compiled):
         start = time.monotonic()
         try:
             loss.backward()
-        except Exception as e:  # noqa: BLE001 - what matters is that it raises
-            return type(e).__name__, time.monotonic() - start, str(e)[:300]
+        except Exception as e:  # noqa: BLE001 - the test checks what it is
+            kind = f"{type(e).__module__}.{type(e).__qualname__}"
+            return kind, time.monotonic() - start, str(e)[:300]
         return "no error", time.monotonic() - start, ""
 
 
@@ -326,22 +319,6 @@ def dtensor_tp_compare(rank, world_size, compiled):
                         for p, q in zip(tp_model.parameters(), full.parameters())),
         "ddp_fusion": dict(_torch.counters()["ddp_fusion"]),
     }
-
-
-def upstream_dtensor_post_acc_grad_hook(rank, world_size):
-    """Upstream limit, no ddp_fusion involved: a post-accumulate-grad hook on a DTensor
-    parameter under compiled autograd fails (torch clones the parameter with as_strided,
-    which DTensor does not implement)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    from ddp_fusion import _torch
-
-    mesh = init_device_mesh("cpu", (2,))
-    model = parallelize_module(torch.nn.Linear(8, 8), mesh, ColwiseParallel())
-    model.weight.register_post_accumulate_grad_hook(lambda p: None)
-    with _torch.enable_compiled_autograd(torch.compile):
-        torch.compile(model)(torch.randn(2, 8)).sum().backward()
 
 
 # -- several process groups, fp32 + bf16 parameters (issue 4) ------------------------
@@ -469,4 +446,283 @@ def groups_and_dtypes(rank, world_size, algorithms, dump_root, steps=4):
                 for n, p in w.module.named_parameters()
             },
         }
+    return out
+
+
+# -- issue 12 item 7: communication dtypes, bucket lists, unused parameters ----------
+class GradIs(torch.nn.Module):
+    """Parameters whose gradient is the input, bit for bit: the loss is
+    ``sum((p * x).sum())``, so ``dloss/dp = x`` eagerly and compiled alike, and reduced
+    gradients can be compared exactly."""
+
+    SHAPES = {"a": (64, 48), "b": (300,), "c": (16, 16, 3), "d": (5,)}
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        for name, shape in self.SHAPES.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, dtype=dtype)))
+
+    def forward(self, xs):
+        return sum((p * x).sum() for p, x in zip(self.parameters(), xs))
+
+
+def wide_range(rank, lo, hi, step=0):
+    """Rank ``rank``'s gradients for ``GradIs``: both signs, full float32 mantissas,
+    magnitudes spread over 2**lo .. 2**hi (every rank can rebuild every rank's)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for shape in GradIs.SHAPES.values():
+        magnitude = torch.exp2(torch.empty(shape).uniform_(lo, hi, generator=gen))
+        out.append(magnitude * (torch.randint(0, 2, shape, generator=gen) * 2 - 1))
+    return out
+
+
+def _grads(module):
+    return [p.grad.detach().clone() for p in module.parameters()]
+
+
+def _equal(got, want):
+    return len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _max_diff(got, want):
+    return max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
+
+
+def _frac_differ(got, want):
+    n = sum(g.numel() for g in got)
+    return sum((g != w).sum().item() for g, w in zip(got, want)) / n
+
+
+COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+
+
+class CommDtypeParts(torch.nn.Module):
+    """One ``GradIs`` per communication dtype, each wrapped by ``wrap(module, name)``;
+    every part gets the same input, so the parts differ only in how they communicate."""
+
+    def __init__(self, wrap):
+        super().__init__()
+        self.parts = torch.nn.ModuleDict({name: wrap(GradIs(), name) for name in COMM_DTYPES})
+
+    def forward(self, xs):
+        return sum(part(xs) for part in self.parts.values())
+
+
+COMM_DATA = {"normal": (-13, 13), "fp16_subnormal": (-24, -13)}
+"""Gradient magnitudes (powers of 2) for ``comm_dtype_grads``: halves stay fp16 normals,
+or are fp16 subnormals (below 2**-14)."""
+
+
+def comm_dtype_grads(rank, world_size, cap=0.004):
+    """Backward of ``CommDtypeParts`` on each ``COMM_DATA`` set (both signs, full float32
+    mantissas, so fp16 and bf16 rounding shows in almost every element): reduced
+    gradients of ddp_fusion with ``comm_dtype`` fp16 / bf16 / None, uncompiled and
+    compiled (both algorithms), and of eager torch DDP with ``fp16_compress_hook`` /
+    ``bf16_compress_hook`` / no hook, and what those hooks compute elementwise."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def bf16_hook(process_group, bucket):
+        # torch's own hook; DDP refuses it by name unless NCCL is there, gloo sums bf16
+        return default_hooks.bf16_compress_hook(process_group, bucket)
+
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook, "fp32": None}
+    groups = {name: dist.new_group(list(range(world_size))) for name in COMM_DTYPES}
+
+    def torch_ddp(module, name):
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            module, process_group=groups[name], bucket_cap_mb=cap
+        )
+        if hooks[name] is not None:
+            ddp.register_comm_hook(groups[name], hooks[name])
+        return ddp
+
+    def ours(module, name):
+        return ddp_fusion.DistributedDataParallel(
+            module, bucket_cap_mb=cap, comm_dtype=COMM_DTYPES[name]
+        )
+
+    def data(r, which):
+        return wide_range(r, *COMM_DATA[which], step=list(COMM_DATA).index(which))
+
+    def reduced(model):
+        """{data set: {comm dtype: gradients}}; .grad is None before each backward, so a
+        compiled model reuses its one backward graph."""
+        out = {}
+        for which in COMM_DATA:
+            for p in model.parameters():
+                p.grad = None
+            model(data(rank, which)).backward()
+            out[which] = {name: _grads(part.module) for name, part in model.parts.items()}
+        return out
+
+    ref = reduced(CommDtypeParts(torch_ddp))
+    out = {"ref_is_oracle": {}, "frac_differ_from_fp32": {}}
+    for which in COMM_DATA:
+        # what the hooks compute, element by element: cast, divide, sum in the dtype
+        everyone = [data(r, which) for r in range(world_size)]
+        oracle = {
+            name: [
+                sum(x.to(dtype or torch.float32) / world_size for x in xs).float()
+                for xs in zip(*everyone)
+            ]
+            for name, dtype in COMM_DTYPES.items()
+        }
+        out["ref_is_oracle"][which] = {n: _equal(ref[which][n], oracle[n]) for n in COMM_DTYPES}
+        out["frac_differ_from_fp32"][which] = {
+            n: _frac_differ(ref[which][n], ref[which]["fp32"]) for n in ("fp16", "bf16")
+        }
+    got = {"uncompiled": reduced(CommDtypeParts(ours))}
+    for algorithm in ("concat", "coalesced"):
+        torch._dynamo.reset()  # before the patch: reset turns compiled autograd off
+        counters.clear()
+        with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(
+            enabled=True, algorithm=algorithm
+        ):
+            got[algorithm] = reduced(torch.compile(CommDtypeParts(ours)))
+        out[f"{algorithm}_counters"] = dict(counters["ddp_fusion"])
+    for mode, grads in got.items():
+        out[mode] = {
+            which: {
+                n: {"equal": _equal(grads[which][n], ref[which][n]),
+                    "max_diff": _max_diff(grads[which][n], ref[which][n])}
+                for n in COMM_DTYPES
+            }
+            for which in COMM_DATA
+        }
+    return out
+
+
+def bucket_cap_lists(rank, world_size, dump_dir, caps=(0.01, 0.04, 0.02), steps=3):
+    """``bucket_cap_mb_list`` against eager torch DDP given the same list: parameters after
+    ``steps`` SGD steps, and bucket sizes in bytes (torch's rebuilt buckets; the eager
+    reducer's; the compiled plan). Eight bias-free 64x64 layers, 16 KiB of gradient
+    each, in the same ready order eagerly and compiled."""
+    import glob
+    import json
+    import os
+
+    base = mlp(depth=8)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
+    lr = 10  # gradients are ~1e-5 here; a wrong reduction then moves parameters by ~1e-4
+    torch_ddp = torch.nn.parallel.DistributedDataParallel
+    ref = torch_ddp(copy.deepcopy(base), bucket_cap_mb_list=list(caps))
+    want = _steps(ref, batches, lr)
+    ours = lambda: ddp_fusion.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb_list=caps)
+    eager = ours()
+    got_eager = _steps(eager, batches, lr)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(
+        enabled=True, dump_dir=dump_dir
+    ):
+        got_compiled = _steps(torch.compile(ours()), batches, lr)
+    (plan,) = glob.glob(os.path.join(dump_dir, f"rank{rank}_*.buckets.json"))
+    torch_sizes = ref._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+    return {
+        "torch_sizes": [int(b) for b in torch_sizes.split(",")],
+        "eager_sizes": [b.buffer.numel() * b.buffer.element_size() for b in eager.reducer.buckets],
+        "compiled_sizes": [b["bytes"] for b in json.load(open(plan))["buckets"]],
+        "eager_max_diff": _max_diff(got_eager, want),
+        "compiled_max_diff": _max_diff(got_compiled, want),
+    }
+
+
+class UnusedEverywhere(torch.nn.Module):
+    """``c`` takes part in no forward, on any rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def unused_compiled(rank, world_size, steps=3):
+    """``find_unused_parameters=True`` under torch.compile with fusion on, a parameter
+    unused on every rank: against eager torch DDP with the same flag."""
+    from torch._dynamo.utils import counters
+
+    base = UnusedEverywhere()
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
+    want = _steps(ref, batches)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(enabled=True):
+        ddp = ddp_fusion.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
+        got = _steps(torch.compile(ddp), batches)
+    return {
+        "max_diff": _max_diff(got, want),
+        "grad_is_none": [n for n, p in ddp.module.named_parameters() if p.grad is None],
+        "torch_grad_is_none": [n for n, p in ref.module.named_parameters() if p.grad is None],
+        "counters": dict(counters["ddp_fusion"]),
+    }
+
+
+def reduce_dtype_bf16(rank, world_size, steps=3, cap=0.002):
+    """bf16 parameters with ``reduce_dtype=torch.float32``, uncompiled and compiled
+    (``concat``; ``coalesced``'s casts are covered by ``comm_dtype_grads``), against
+    eager torch DDP with torch's ``_compress_hook(torch.float32)`` (cast the bf16 bucket
+    to fp32, divide, all-reduce, cast back): parameters after ``steps`` SGD steps and the
+    last step's reduced gradients, compared exactly.
+
+    On 4 ranks dividing by the world size is exact, and these gradients (bf16,
+    magnitudes 2**-3 .. 2**4) sum exactly in fp32 in any order, so the fp32 reduction is
+    deterministic; communicating in bf16 instead (no ``reduce_dtype``) rounds partial
+    sums. On 2 ranks the two are bit-identical (one rounding of ``a/2 + b/2`` either way),
+    so a 2-rank test could not tell ``reduce_dtype`` from no ``reduce_dtype``."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def data(r, step):
+        return [x.to(torch.bfloat16) for x in wide_range(r, -3, 4, step)]
+
+    def train(model, module):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model(data(rank, step)).backward()
+            opt.step()
+        return [p.detach().clone() for p in module.parameters()], _grads(module)
+
+    def fp32_hook(process_group, bucket):
+        return default_hooks._compress_hook(torch.float32, process_group, bucket)
+
+    def ours(**kw):
+        return ddp_fusion.DistributedDataParallel(GradIs(torch.bfloat16), bucket_cap_mb=cap, **kw)
+
+    ref = torch.nn.parallel.DistributedDataParallel(GradIs(torch.bfloat16), bucket_cap_mb=cap)
+    ref.register_comm_hook(None, fp32_hook)
+    want_params, want_grads = train(ref, ref.module)
+    # the last step's mean, exact in float64, rounded once to bf16
+    everyone = [data(r, steps - 1) for r in range(world_size)]
+    oracle = [(sum(x.double() for x in xs) / world_size).bfloat16() for xs in zip(*everyone)]
+    out = {"ref_is_oracle": _equal(want_grads, oracle)}
+
+    bf16 = ours()  # no reduce_dtype: communicates in bf16
+    params, grads = train(bf16, bf16.module)
+    out["bf16_comm"] = {
+        "frac_grads_differ": _frac_differ(grads, want_grads),
+        "frac_params_differ": _frac_differ(params, want_params),
+    }
+    uncompiled = ours(reduce_dtype=torch.float32)
+    runs = {"uncompiled": train(uncompiled, uncompiled.module)}
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(enabled=True):
+        compiled = ours(reduce_dtype=torch.float32)
+        runs["concat"] = train(torch.compile(compiled), compiled.module)
+    for mode, (params, grads) in runs.items():
+        out[mode] = {
+            "params_equal": _equal(params, want_params),
+            "grads_equal": _equal(grads, want_grads),
+            "max_diff": _max_diff(params, want_params),
+        }
+    out["concat"]["counters"] = dict(counters["ddp_fusion"])
     return out

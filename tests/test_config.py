@@ -1,8 +1,30 @@
-"""``ddp_fusion.config``: validation names the setting, env variables parse strictly,
-``patch`` restores, and the wrapper rejects bad arguments before touching the network."""
+"""``ddp_fusion.config``: validation names the setting, env variables parse strictly
+(and are applied at import), ``patch`` restores, and the wrapper rejects bad arguments
+before touching the network.
+
+README's "Bad input, and what happens", row by row:
+
+* bad ``config`` values: ``test_bad_value_names_the_setting``; unknown setting:
+  ``test_unknown_setting``; bad env values: ``test_bad_env_names_the_variable`` and, at
+  import, ``test_bad_env_value_fails_at_import``;
+* bucket arguments, ``process_group`` / ``device_mesh``, ``comm_dtype`` /
+  ``reduce_dtype``, already wrapped, sparse parameter, several device types, no
+  trainable parameter, ``torch.distributed`` not initialized: ``TestWrapperArguments``;
+* different models on different ranks, and a parameter unused on some ranks under
+  ``torch.compile``: ``test_reliability_gloo.py``
+  (``test_different_models_fail_at_construction_on_every_rank``,
+  ``test_rank_dependent_backward_raises_plan_mismatch_on_every_rank``); unused on some
+  ranks, uncompiled: ``test_semantics_gloo.py::test_unused_parameters``.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ddp_fusion
 from ddp_fusion.config import Config, from_env
@@ -14,12 +36,13 @@ from ddp_fusion.config import Config, from_env
      ("dump_dir", 3), ("dump_dir", "")],
 )
 def test_bad_value_names_the_setting(name, value):
-    with pytest.raises(ValueError, match=f"ddp_fusion.config.{name}"):
+    with pytest.raises(ValueError, match=f"^ddp_fusion.config.{name} must be "):
         setattr(Config(), name, value)
 
 
 def test_unknown_setting():
-    with pytest.raises(AttributeError, match="no setting 'bucket_cap'"):
+    settings = ", ".join(f.name for f in dataclasses.fields(Config))
+    with pytest.raises(AttributeError, match=f"no setting 'bucket_cap'; settings are {settings}$"):
         Config().bucket_cap = 5
 
 
@@ -49,6 +72,54 @@ def test_bad_env_names_the_variable(env, var):
         from_env(env)
 
 
+IMPORT_STATE = """
+import torch._dynamo.compiled_autograd as ca, torch._inductor.config as inductor, ddp_fusion
+print(inductor.post_grad_custom_post_pass is ddp_fusion._install.THE_PASS, ca.compiled_autograd_enabled)
+ddp_fusion.config.enabled = False
+print(inductor.post_grad_custom_post_pass is None, ca.compiled_autograd_enabled)
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_imports():
+    """``import ddp_fusion`` in fresh interpreters, run side by side: with
+    ``DDP_FUSION=1`` (prints what is installed, then again after ``enabled = False``),
+    and with ``DDP_FUSION=maybe``. Returns ``{env value: CompletedProcess}``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_FUSION")}
+    procs = {
+        value: subprocess.Popen(
+            [sys.executable, "-c", IMPORT_STATE],
+            env={**env, "DDP_FUSION": value},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for value in ("1", "maybe")
+    }
+    out = {}
+    for value, p in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        out[value] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return out
+
+
+def test_env_enabled_at_import_installs_pass_and_compiled_autograd(fresh_imports):
+    """``DDP_FUSION=1``: importing ddp_fusion installs its pass as Inductor's
+    ``post_grad_custom_post_pass`` and turns compiled autograd on; clearing ``enabled``
+    undoes both (so the first line is not true by default)."""
+    run = fresh_imports["1"]
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["True True", "True False"], run.stdout
+
+
+def test_bad_env_value_fails_at_import(fresh_imports):
+    run = fresh_imports["maybe"]
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == (
+        "ValueError: environment variable DDP_FUSION must be 1 or 0 (true/false), got 'maybe'"
+    ), run.stderr
+
+
 def test_patch_restores_even_on_error():
     cfg = ddp_fusion.config
     before = cfg.as_dict()
@@ -68,26 +139,93 @@ def test_patch_rejects_bad_value_and_keeps_old():
 
 @pytest.mark.usefixtures("fake_pg")
 class TestWrapperArguments:
-    def test_bad_bucket_cap(self):
-        with pytest.raises(ValueError, match="bucket_cap_mb"):
-            ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=-5)
+    @pytest.mark.parametrize(
+        "bad, match",
+        [
+            (dict(bucket_cap_mb=-1), "^bucket_cap_mb must be"),
+            (dict(bucket_cap_mb="25"), "^bucket_cap_mb must be"),
+            (dict(bucket_cap_mb=float("nan")), "^bucket_cap_mb must be"),
+            (dict(bucket_cap_mb=True), "^bucket_cap_mb must be"),
+            (dict(bucket_cap_mb_list=[]), "^bucket_cap_mb_list must not be empty"),
+            (dict(bucket_cap_mb_list=[1, -2]), r"^bucket_cap_mb_list\[1\] must be"),
+            (dict(bucket_cap_mb_list="1,2"), "^bucket_cap_mb_list must be a list"),
+        ],
+        ids=str,
+    )
+    def test_bad_bucket_arguments(self, bad, match):
+        with pytest.raises(ValueError, match=match):
+            ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), **bad)
 
     def test_already_wrapped(self):
         inner = ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2))
-        with pytest.raises(ValueError, match="already wrapped"):
+        with pytest.raises(ValueError, match="^module is already wrapped in ddp_fusion.ddp.Distributed"):
+            ddp_fusion.DistributedDataParallel(inner)
+        inner = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        with pytest.raises(ValueError, match="^module is already wrapped in torch.nn.parallel"):
             ddp_fusion.DistributedDataParallel(inner)
 
     def test_integer_parameter(self):
         m = torch.nn.Linear(2, 2)
         m.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
         ddp_fusion.DistributedDataParallel(m)  # frozen: fine
+        # (torch itself refuses an integer parameter that requires grad)
         m.extra = torch.nn.Parameter(torch.zeros(1, dtype=torch.float16).to_sparse())
-        with pytest.raises(ValueError, match="'extra'"):
+        with pytest.raises(ValueError, match="parameter 'extra' is torch.float16 with layout torch.sparse"):
             ddp_fusion.DistributedDataParallel(m)
 
     def test_bad_process_group(self):
-        with pytest.raises(TypeError, match="process_group"):
+        with pytest.raises(TypeError, match="^process_group must be a torch.distributed.ProcessGroup"):
             ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), process_group="world")
+
+    def test_bad_device_mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(ValueError, match="^give process_group or device_mesh, not both"):
+            ddp_fusion.DistributedDataParallel(
+                torch.nn.Linear(2, 2), process_group=dist.group.WORLD, device_mesh=mesh["dp"]
+            )
+        with pytest.raises(ValueError, match=r"^device_mesh must be the 1-D data-parallel sub-mesh .*dp=1, tp"):
+            ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), device_mesh=mesh)
+
+    @pytest.mark.parametrize(
+        "bad, match",
+        [
+            (dict(comm_dtype=torch.int8), "^comm_dtype must be a floating-point torch.dtype or None, got "),
+            (dict(reduce_dtype=torch.int8), "^reduce_dtype must be a floating-point torch.dtype"),
+            (dict(comm_dtype="float16"), "^comm_dtype must be a floating-point torch.dtype"),
+            (
+                dict(comm_dtype=torch.float16, reduce_dtype=torch.float32),
+                r"^comm_dtype \(torch.float16\) and reduce_dtype \(torch.float32\) name the same thing",
+            ),
+        ],
+        ids=str,
+    )
+    def test_bad_comm_dtype(self, bad, match):
+        with pytest.raises(ValueError, match=match):
+            ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), **bad)
+
+    def test_several_device_types(self):
+        m = torch.nn.Linear(2, 2)
+        m.elsewhere = torch.nn.Parameter(torch.zeros(2, device="meta"))
+        with pytest.raises(ValueError, match=r"parameters span device types \['cpu', 'meta'\]"):
+            ddp_fusion.DistributedDataParallel(m)
+
+    def test_no_trainable_parameter(self):
+        with pytest.raises(ValueError, match="module has no parameter that requires grad"):
+            ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2).requires_grad_(False))
+        with pytest.raises(ValueError, match="module has no parameter that requires grad"):
+            ddp_fusion.DistributedDataParallel(torch.nn.ReLU())
+
+    def test_distributed_not_initialized(self, monkeypatch):
+        """What torch reports before ``init_process_group`` (this process has the fake
+        group, so ``is_initialized`` is patched), for the wrapper and the op alike."""
+        monkeypatch.setattr(dist, "is_initialized", lambda: False)
+        match = r"torch.distributed is not initialized; call torch.distributed.init_process_group\(\)"
+        with pytest.raises(RuntimeError, match=f"^DistributedDataParallel: {match}"):
+            ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2))
+        with pytest.raises(RuntimeError, match=f"^all_reduce_gradient: {match}"):
+            ddp_fusion.all_reduce_gradient(torch.ones(2))
 
     def test_uncompiled_step_reduces_each_gradient(self):
         """Fake group of 2: the all-reduce sums nothing, so the mean halves the grad."""
