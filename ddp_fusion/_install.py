@@ -12,7 +12,8 @@ it goes off. The effects, in the order they are applied (README, "What
    :func:`compile_backward`: Inductor with ``config.backward_compile_kwargs``, and, when
    ``schedule_waits`` is on, Inductor's peak-memory reordering off *for graphs that
    hold ddp_fusion collectives only* (it would move each bucket's wait back up next to
-   its collective). Off restores the previous compiler and multithreading setting.
+   its collective); for those with a communication dtype, Inductor's precision-cast
+   emulation on (see :func:`_patches_for`). Off restores the previous compiler and multithreading setting.
 3. ``torch.nn.parallel.DistributedDataParallel`` checks at each forward whether it uses
    torch's C++ reducer, which compiled autograd cannot run, and raises an error that
    names ddp_fusion and the fix (instead of torch's error deep in backward).
@@ -72,15 +73,28 @@ class _Chain(_CustomGraphPass):
 THE_PASS = FuseDDPAllReduces()
 
 
-def _holds_ddp_fusion_collectives(graph_module: torch.fx.GraphModule) -> bool:
+def _tagged_all_reduces(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
     targets = (ALL_REDUCE_GRADIENT, torch.ops.ddp_fusion.all_reduce_gradient)
-    return any(n.target in targets for n in graph_module.graph.nodes if n.op == "call_function")
+    return [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target in targets]
+
+
+def _comm_dtype(node: torch.fx.Node) -> Any:
+    return node.args[5] if len(node.args) > 5 else node.kwargs.get("comm_dtype")
 
 
 def _patches_for(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
-    if config.schedule_waits and _holds_ddp_fusion_collectives(graph_module):
-        return _torch.inductor_options_keeping_node_order()
-    return {}
+    """Inductor settings for one backward graph, only if it holds ddp_fusion's
+    collectives: keep the pass's node order (``schedule_waits``), and with a
+    communication dtype keep the rounding to it before the scaling (Inductor would
+    otherwise compute cast + divide in fp32 and round once, where torch's compress hooks
+    round the gradient first: a different result where the quotient is subnormal)."""
+    tagged = _tagged_all_reduces(graph_module)
+    patches: dict[str, Any] = {}
+    if tagged and config.schedule_waits:
+        patches.update(_torch.inductor_options_keeping_node_order())
+    if any(_comm_dtype(n) is not None for n in tagged):
+        patches.update(_torch.inductor_options_emulating_precision_casts())
+    return patches
 
 
 def compile_backward(graph_module: torch.fx.GraphModule) -> Any:

@@ -179,6 +179,14 @@ def inductor_options_keeping_node_order() -> dict[str, Any]:
     return {}
 
 
+def inductor_options_emulating_precision_casts() -> dict[str, Any]:
+    """Inductor options that keep each cast to a lower precision (a rounding) where the
+    graph has one, instead of fusing it into fp32 math around it."""
+    if hasattr(inductor_config(), "emulate_precision_casts"):
+        return {"emulate_precision_casts": True}
+    return {}
+
+
 def allow_dtensor_post_accumulate_grad_hooks() -> Callable[[], None]:
     """Let compiled autograd trace post-accumulate-grad hooks of DTensor parameters.
 

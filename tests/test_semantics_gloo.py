@@ -38,23 +38,10 @@ def test_no_sync_has_no_communication_and_matches_eager_ddp(results):
         assert r["no_sync"]["max_diff"] < 1e-6, r
 
 
-INDUCTOR_DROPS_FP16_ROUNDING = pytest.mark.xfail(
-    strict=True,
-    reason="bug: compiled, comm_dtype=fp16 gives fp16(g / n), not fp16_compress_hook's "
-    "fp16(fp16(g) / n): Inductor drops the rounding between the pass's cast and its "
-    "scale (it keeps it with emulate_precision_casts); they differ where g / n is an fp16 "
-    "subnormal",
-)
-
-
 @pytest.mark.parametrize(
     "data, dtype, mode",
     [
-        pytest.param(
-            data, dtype, mode,
-            marks=INDUCTOR_DROPS_FP16_ROUNDING
-            if (data, dtype) == ("fp16_subnormal", "fp16") and mode != "uncompiled" else (),
-        )
+        (data, dtype, mode)
         for data in ("normal", "fp16_subnormal")
         for dtype in ("fp16", "bf16")
         for mode in ("uncompiled", "concat", "coalesced")
