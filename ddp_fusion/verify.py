@@ -8,10 +8,12 @@ same sizes. Two things can break that in data-parallel training:
 * the ranks run different backward graphs, so the pass planned different buckets (a
   parameter unused on some ranks only, rank-dependent control flow), at the first step
   or at any later one (one rank recompiles). Each fused graph therefore starts with one
-  ``ddp_fusion::plan_guard`` per process group and reduce op. At every run it
-  all-gathers a hash of the group's plan (one int64 per rank, one small collective per
-  group per step); if the hashes differ, every rank exchanges its plan and raises
-  :class:`PlanMismatchError` naming the difference, before any bucket is issued.
+  ``ddp_fusion::plan_check_start`` per process group, which issues an async all-gather
+  of a hash of the group's plan (one int64 per rank: one small collective per group
+  per step, overlapped with backward compute), and has one ``ddp_fusion::plan_guard``
+  right before the group's first bucket, which waits for it. If the hashes differ,
+  every rank exchanges its plan and raises :class:`PlanMismatchError` naming the
+  difference, before any bucket is issued.
 
 The guard also returns the divisor of the bucket scaling, read from the live process
 group at run time (the group size for ``avg``, 1 for ``sum``); nothing about the group
@@ -41,32 +43,68 @@ class PlanMismatchError(RuntimeError):
 
 _plan_hashes: dict[str, int] = {}
 _reported: set[tuple[str, str]] = set()
+# (group name, plan) -> the plan check in flight: (work, everyone's hashes, this rank's)
+_pending: dict[tuple[str, str], tuple[dist.Work, torch.Tensor, torch.Tensor]] = {}
 
 
-@torch.library.custom_op("ddp_fusion::plan_guard", mutates_args=())
-def plan_guard(group_name: str, plan: str, reduce_op: str, device: torch.device) -> torch.Tensor:
-    """The bucket divisor for ``reduce_op`` as a 0-d float32 tensor on ``device``, after
-    checking that every rank of the group runs the same bucket ``plan`` in this step."""
+def _group(group_name: str) -> dist.ProcessGroup:
     group = _torch.resolve_process_group(group_name)
     if group is None:
         raise RuntimeError(
             f"ddp_fusion: process group {group_name!r} is not registered in this process "
             "(was it destroyed after the model was compiled?)"
         )
+    return group
+
+
+@torch.library.custom_op("ddp_fusion::plan_check_start", mutates_args=())
+def plan_check_start(group_name: str, plan: str, device: torch.device) -> torch.Tensor:
+    """Start this step's cross-rank check of the group's bucket ``plan``: an async
+    all-gather of the plan's hash, one int64 per rank, sized by the live group. Returns
+    a token for :func:`plan_guard`, which finishes the check."""
+    group = _group(group_name)
+    if _needs_exchange(group):
+        mine = torch.full((1,), _plan_hash(plan), dtype=torch.int64, device=device)
+        everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
+        work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
+        _pending[group_name, plan] = (work, everyone, mine)
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
+@plan_check_start.register_fake
+def _(group_name, plan, device):
+    return torch.empty((), dtype=torch.float32, device=device)
+
+
+@torch.library.custom_op("ddp_fusion::plan_guard", mutates_args=())
+def plan_guard(
+    token: torch.Tensor, group_name: str, plan: str, reduce_op: str, device: torch.device
+) -> torch.Tensor:
+    """The bucket divisor for ``reduce_op`` as a 0-d float32 tensor on ``device``, after
+    the check :func:`plan_check_start` began shows that every rank of the group runs the
+    same bucket ``plan`` in this step (else :class:`PlanMismatchError` on every rank)."""
+    group = _group(group_name)
     if (group_name, plan) not in _reported:
         _reported.add((group_name, plan))
         _report_plan(group_name, plan)
-    if _needs_exchange(group):
-        check_plan_across_ranks(group, group_name, plan, device)
+    pending = _pending.pop((group_name, plan), None)  # None: checked by this group's other guard
+    if pending is not None:
+        work, everyone, mine = pending
+        work.wait()
+        if not bool((everyone == mine).all()):
+            plans: list[str | None] = [None] * group.size()
+            dist.all_gather_object(plans, plan, group=group)
+            raise PlanMismatchError(_describe_mismatch(group_name, plans))
     divisor = group.size() if reduce_op == "avg" else 1
     return torch.full((), divisor, dtype=torch.float32, device=device)
 
 
 @plan_guard.register_fake
-def _(group_name, plan, reduce_op, device):
+def _(token, group_name, plan, reduce_op, device):
     return torch.empty((), dtype=torch.float32, device=device)
 
 
+PLAN_CHECK_START = torch.ops.ddp_fusion.plan_check_start.default
 PLAN_GUARD = torch.ops.ddp_fusion.plan_guard.default
 
 
@@ -80,24 +118,6 @@ def _plan_hash(plan: str) -> int:
         digest = hashlib.blake2b(plan.encode(), digest_size=8).digest()
         h = _plan_hashes[plan] = int.from_bytes(digest, "little", signed=True)
     return h
-
-
-def check_plan_across_ranks(
-    group: dist.ProcessGroup, group_name: str, plan: str, device: torch.device
-) -> None:
-    """Raise :class:`PlanMismatchError` on every rank of ``group`` unless all run ``plan``.
-
-    One all-gather of an int64 hash per rank (an all-gather, so it is never mistaken for
-    a bucket's all-reduce when collectives are counted). Only on a mismatch are the
-    plans themselves exchanged."""
-    mine = torch.tensor([_plan_hash(plan)], dtype=torch.int64, device=device)
-    everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
-    if bool((everyone == mine).all()):
-        return
-    plans: list[str | None] = [None] * group.size()
-    dist.all_gather_object(plans, plan, group=group)
-    raise PlanMismatchError(_describe_mismatch(group_name, plans))
 
 
 def _report_plan(group_name: str, plan: str) -> None:

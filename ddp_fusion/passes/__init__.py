@@ -2,7 +2,7 @@
 
     collectives.py  find ``ddp_fusion::all_reduce_gradient`` nodes (the tag)
     bucketing.py    plan buckets per (group, dtype, device, reduce op, limits), DDP's rule
-    guard.py        one cross-rank plan check per group, at graph start (the divisor)
+    guard.py        one cross-rank plan check per group, before its first bucket (the divisor)
     concat.py       rewrite a bucket as cat + div + all_reduce + split
     coalesced.py    rewrite a bucket as _foreach_div + all_reduce_coalesced
     schedule.py     move each bucket's wait to just before its first reader
@@ -37,7 +37,7 @@ from .bucketing import Bucket, plan_buckets
 from .coalesced import fuse_coalesced
 from .collectives import Unfused, find_gradient_all_reduces
 from .concat import fuse_concat
-from .guard import insert_plan_guards
+from .guard import insert_plan_guards, place_guards
 from .schedule import sink_waits
 
 __all__ = ["FusionResult", "fuse_ddp_allreduces"]
@@ -117,6 +117,7 @@ def fuse_ddp_allreduces(
     # (never in a compiled backward, where readers are the final copy_ into .grad, but
     # possible in hand-written graphs); move such readers after it.
     _torch.stable_topological_sort(graph)
+    place_guards(graph, list(guards.values()))
     if schedule_waits:
         sink_waits(graph, fused)
     graph.lint()

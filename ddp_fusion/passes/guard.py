@@ -1,8 +1,13 @@
-"""Insert one ``ddp_fusion::plan_guard`` per (process group, reduce op) at graph start.
+"""The per-step cross-rank plan check, in two parts (see ddp_fusion/verify.py)::
 
-    divisor = ddp_fusion.plan_guard('0', '<this group's bucket plan as JSON>', 'avg', cpu)
-    ...
-    flat = div(cat([...]), divisor)        # concat.py / coalesced.py
+    token = ddp_fusion.plan_check_start('0', '<this group's bucket plan as JSON>', cpu)
+    ...                                                 # backward compute
+    flat = cat([...])                                   # concat.py / coalesced.py
+    divisor = ddp_fusion.plan_guard(token, '0', '<plan>', 'avg', cpu)
+    flat = div(flat, divisor)
+
+one start per process group at graph start, one guard per (group, reduce op) just
+before the first bucket that uses it.
 
 Every run checks that every rank of the group runs the same plan, and returns the
 divisor read from the live group (see ddp_fusion/verify.py): the graph holds no group
@@ -18,7 +23,7 @@ import json
 import torch
 import torch.fx
 
-from ..verify import PLAN_GUARD
+from ..verify import PLAN_CHECK_START, PLAN_GUARD
 from ._graph import NodeMaker
 from .bucketing import Bucket
 
@@ -45,20 +50,33 @@ def plan_fingerprint(buckets: list[Bucket], group_name: str) -> str:
 def insert_plan_guards(
     make: NodeMaker, buckets: list[Bucket]
 ) -> dict[tuple[str, str, torch.device], torch.fx.Node]:
-    """Guard nodes keyed by (group name, reduce op, device)."""
+    """At graph start, one ``plan_check_start`` per group; guard nodes keyed by (group
+    name, reduce op, device), to be moved before their first user by ``place_guards``."""
     guards: dict[tuple[str, str, torch.device], torch.fx.Node] = {}
+    starts: dict[str, torch.fx.Node] = {}
+    fingerprints: dict[str, str] = {}
     placeholders = make.graph.find_nodes(op="placeholder")
     start = placeholders[-1].next if placeholders else next(iter(make.graph.nodes))
-    fingerprints: dict[str, str] = {}
     with make.graph.inserting_before(start):
         for b in buckets:
-            k = (b.key.group_name, b.key.reduce_op, b.key.device)
+            group = b.key.group_name
+            k = (group, b.key.reduce_op, b.key.device)
             if k in guards:
                 continue
-            if b.key.group_name not in fingerprints:
-                fingerprints[b.key.group_name] = plan_fingerprint(buckets, b.key.group_name)
+            if group not in starts:
+                fingerprints[group] = plan_fingerprint(buckets, group)
+                starts[group] = make(PLAN_CHECK_START, (group, fingerprints[group], b.key.device))
             guards[k] = make(
-                PLAN_GUARD,
-                (b.key.group_name, fingerprints[b.key.group_name], b.key.reduce_op, b.key.device),
+                PLAN_GUARD, (starts[group], group, fingerprints[group], b.key.reduce_op, b.key.device)
             )
     return guards
+
+
+def place_guards(graph: torch.fx.Graph, guards: list[torch.fx.Node]) -> None:
+    """Move each guard (its only input is the start's token) to just before its first
+    user: its wait then comes after the backward compute that hides the all-gather,
+    instead of blocking the host at graph start until the slowest rank gets there."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for guard in guards:
+        first = min(guard.users, key=order.__getitem__)
+        first.prepend(guard)
