@@ -57,6 +57,7 @@ def all_reduce_gradient(
     bucket_cap_mb_list: Sequence[float] | None = None,
     name: str = "",
     comm_dtype: torch.dtype | None = None,
+    ready_order: int | None = None,
 ) -> torch.Tensor:
     """All-reduce one gradient over ``group`` (default: the world), tagged for fusion.
 
@@ -66,8 +67,10 @@ def all_reduce_gradient(
     group, dtype, device, reduce op and bucket arguments are bucketed together by the
     pass. ``name`` (a parameter's name, say) labels the gradient in dumps. With
     ``comm_dtype`` the gradient is cast to it, scaled, summed and cast back (torch's
-    fp16/bf16 compress hooks, or an fp32 reduction of bf16 gradients). Returns a new
-    tensor; ``grad`` is not modified.
+    fp16/bf16 compress hooks, or an fp32 reduction of bf16 gradients). ``ready_order``
+    (a gradient's position in the order eager autograd makes gradients ready, if you
+    know it) makes the pass bucket in that order instead of the graph's, when every
+    gradient of the graph has one. Returns a new tensor; ``grad`` is not modified.
     """
     if not isinstance(grad, torch.Tensor):
         raise TypeError(f"all_reduce_gradient: grad must be a Tensor, got {type(grad).__name__}")
@@ -77,7 +80,12 @@ def all_reduce_gradient(
         )
     group = _default_group(group, "all_reduce_gradient")
     limits = ddp_bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
-    return ALL_REDUCE_GRADIENT(grad, group.group_name, reduce_op, limits, name, comm_dtype)
+    if ready_order is not None and (isinstance(ready_order, bool) or not isinstance(ready_order, int) or ready_order < 0):
+        raise ValueError(
+            f"all_reduce_gradient: ready_order must be a non-negative int or None, got {ready_order!r}"
+        )
+    ready = -1 if ready_order is None else ready_order
+    return ALL_REDUCE_GRADIENT(grad, group.group_name, reduce_op, limits, name, comm_dtype, ready)
 
 
 class _SyncState:

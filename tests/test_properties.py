@@ -118,6 +118,9 @@ class Compute:
 class GraphSpec:
     bucket_args: list[dict[str, Any]]
     ops: list[Grad | Untagged | Compute]
+    ready_orders: list[int] | None = None
+    """A permutation: ``ready_order=`` for each Grad in turn (the hooks' eager ready
+    order), or None (no ready order: the pass uses graph order)."""
 
     @property
     def grads(self) -> list[Grad]:
@@ -186,7 +189,8 @@ def graph_specs(draw, max_ops: int = 20) -> GraphSpec:
             kind = draw(st.sampled_from(kinds))
             of = draw(st.integers(0, n_grads - 1)) if kind != "matmul" else None
             ops.append(Compute(kind, of))
-    return GraphSpec(bucket_args, ops)
+    ready_orders = draw(st.none() | st.permutations(range(n_grads)))
+    return GraphSpec(bucket_args, ops, ready_orders)
 
 
 # --------------------------------------------------------------------------- builder
@@ -238,6 +242,7 @@ def build(spec: GraphSpec):
                         reduce_op=op.reduce_op,
                         comm_dtype=op.comm_dtype,
                         name=f"g{len(reduced)}",
+                        ready_order=None if spec.ready_orders is None else spec.ready_orders[len(reduced)],
                         **spec.bucket_args[op.bucket],
                     )
                 )
@@ -289,6 +294,7 @@ class Tagged:
     key: BucketKey  # expected, from the spec
     torch_limits: list[int]  # torch DDP's limits for its bucket arguments
     reads: frozenset[str]  # tagged all-reduces whose *reduced* value its input reads
+    ready_order: int  # from the spec's ready_orders, or -1
 
 
 def describe_unfused(gm: torch.fx.GraphModule, spec: GraphSpec) -> dict[str, Tagged]:
@@ -319,6 +325,7 @@ def describe_unfused(gm: torch.fx.GraphModule, spec: GraphSpec) -> dict[str, Tag
                 ),
                 torch_limits=torch_rebuild_limits(**args),
                 reads=reads[grad_node],
+                ready_order=-1 if spec.ready_orders is None else spec.ready_orders[int(name[1:])],
             )
             r = r | {name}
         reads[node] = r
@@ -381,6 +388,25 @@ def check_boundaries(tagged: dict[str, Tagged], result) -> None:
                     f"{t.name} reads a reduced value of bucket {sorted(members)}, "
                     "which is not complete before it"
                 )
+
+    if all(t.ready_order >= 0 and not t.reads for t in tagged.values()):
+        # Every gradient has a ready order and none reads a reduced one: per key,
+        # torch's C++ bucketing over the ready order, no cuts.
+        for key in {b.key for b in result.buckets}:
+            ours = [[g.name for g in b.grads] for b in result.buckets if b.key == key]
+            order = sorted((t for t in tagged.values() if t.key == key), key=lambda t: t.ready_order)
+            tensors = [torch.empty(t.shape, dtype=t.dtype) for t in order]
+            ref = _torch.compute_bucket_assignment_by_size(
+                tensors, order[0].torch_limits, list(range(len(tensors)))
+            )
+            expected = [[order[i].name for i in b] for b in ref]
+            # buckets are listed in issue order (by their last gradient in the graph)
+            assert sorted(ours) == sorted(expected), (
+                f"key {key}: buckets {ours}, eager DDP's rule gives {expected}"
+            )
+        issued = [max(tagged[g.name].ready[0] for g in b.grads) for b in result.buckets]
+        assert issued == sorted(issued), "buckets not in issue order"
+        return
 
     for key in {b.key for b in result.buckets}:
         ours = [[g.name for g in b.grads] for b in result.buckets if b.key == key]
