@@ -126,7 +126,12 @@ def _install_pass() -> Callable[[], None]:
 
 
 def _refuse_cpp_reducer(ddp: Any) -> None:
-    if _torch.stock_ddp_uses_cpp_reducer(ddp):
+    """Only for a forward whose backward would reduce gradients."""
+    if (
+        torch.is_grad_enabled()
+        and ddp.require_backward_grad_sync
+        and _torch.stock_ddp_uses_cpp_reducer(ddp)
+    ):
         raise RuntimeError(
             "ddp_fusion.config.enabled is on, so every backward runs under compiled "
             "autograd, and this torch.nn.parallel.DistributedDataParallel reduces "
@@ -139,12 +144,17 @@ def _refuse_cpp_reducer(ddp: Any) -> None:
 def install() -> None:
     if _undo:
         return
-    _undo["pass"] = _install_pass()
-    handle = _torch.install_compiled_autograd(compile_backward)
-    _undo["compiled_autograd"] = handle.restore
-    _undo["stock_ddp"] = _torch.patch_stock_ddp_forward(_refuse_cpp_reducer)
-    if _wants_dtensor_clone:
-        _undo["dtensor_clone"] = _torch.allow_dtensor_post_accumulate_grad_hooks()
+    try:
+        _undo["pass"] = _install_pass()
+        _undo["compiled_autograd"] = _torch.install_compiled_autograd(compile_backward).restore
+        _undo["stock_ddp"] = _torch.patch_stock_ddp_forward(_refuse_cpp_reducer)
+        if _wants_dtensor_clone:
+            _undo["dtensor_clone"] = _torch.allow_dtensor_post_accumulate_grad_hooks()
+    except BaseException:
+        # All or nothing: the setting reverts (config.py), so undo what was applied.
+        for name in reversed(list(_undo)):
+            _undo.pop(name)()
+        raise
 
 
 def uninstall() -> None:

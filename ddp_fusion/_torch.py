@@ -16,6 +16,12 @@ import torch.fx
 
 c10d_functional = torch.ops._c10d_functional
 
+#: Tags for ddp_fusion's ops: they talk to other ranks (and read values on the host),
+#: so a CUDA graph must never capture them; Inductor splits graphs around such ops.
+CUDAGRAPH_UNSAFE: tuple[Any, ...] = (
+    (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+)
+
 #: DDP's default size of the first (latency-sensitive) bucket, in bytes.
 DEFAULT_FIRST_BUCKET_BYTES: int = dist._DEFAULT_FIRST_BUCKET_BYTES
 
@@ -237,6 +243,13 @@ def custom_graph_pass_base() -> type:
     return CustomGraphPass
 
 
+def default_store() -> Any:
+    """The store of the default process group (every rank can set and get keys)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def fake_store() -> Any:
     """A store for ``backend="fake"`` process groups (graph tests, examples)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -297,26 +310,44 @@ def fake_view(mode: Any, base: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return mode.fake_tensor_converter.from_meta_and_device(mode, out, base.fake_device)
 
 def call_with_example_inputs(fn: Callable[..., None], key: int, args: Any, kwargs: Any) -> None:
-    """``fn(key, args, kwargs)``: right away when running eagerly; at trace time, with
-    Dynamo's fake example values for the tensors, when traced by torch.compile (through
-    ``torch._dynamo.comptime``: nothing enters the graph, no graph break, no guard).
-    ``fn`` must be a module-level function and ``key`` an int."""
+    """``fn(key, inputs)``, where ``inputs()`` returns ``(args, kwargs)``: right away
+    with the real values when running eagerly; at trace time when traced by
+    torch.compile (through ``torch._dynamo.comptime``: nothing enters the graph, no graph
+    break), with Dynamo's fake example values for tensors and the objects themselves for
+    other arguments. ``inputs()`` may raise for an argument it cannot give; ``fn``
+    calls it only if it needs the inputs. ``fn`` must be a module-level function and
+    ``key`` an int."""
     from torch._dynamo.comptime import comptime
 
-    comptime(_call_at_trace_time, lambda: fn(key, args, kwargs))
+    comptime(_call_at_trace_time, lambda: fn(key, lambda: (args, kwargs)))
 
 
 def _call_at_trace_time(ctx: Any) -> None:
-    from torch.utils._pytree import tree_map
+    def inputs() -> tuple[Any, Any]:
+        return tuple(_example_of(ctx.get_local(n)._ComptimeVar__variable) for n in ("args", "kwargs"))
 
-    def example(x: Any) -> Any:
-        return x.node.meta["example_value"] if isinstance(x, torch.fx.Proxy) else x
+    ctx.get_local("fn").as_python_constant()(ctx.get_local("key").as_python_constant(), inputs)
 
-    ctx.get_local("fn").as_python_constant()(
-        ctx.get_local("key").as_python_constant(),
-        tree_map(example, ctx.get_local("args").as_proxy()),
-        tree_map(example, ctx.get_local("kwargs").as_proxy()),
-    )
+
+def _example_of(vt: Any) -> Any:
+    """The example value of a Dynamo VariableTracker: a fake tensor for a tensor, the
+    constant or object for others; containers element by element. Raises
+    ``TypeError`` for anything else."""
+    from torch._dynamo.variables import ConstDictVariable, TensorVariable
+    from torch._dynamo.variables.lists import BaseListVariable
+
+    if isinstance(vt, TensorVariable):
+        return vt.as_proxy().node.meta["example_value"]
+    if vt.is_python_constant():
+        return vt.as_python_constant()
+    if isinstance(vt, BaseListVariable):
+        return vt.python_type()(_example_of(v) for v in vt.items)
+    if isinstance(vt, ConstDictVariable):
+        return {k.vt.as_python_constant(): _example_of(v) for k, v in vt.items.items()}
+    for attr in ("value", "fn"):  # user objects, functions
+        if hasattr(vt, attr):
+            return getattr(vt, attr)
+    raise TypeError(f"cannot give an example value for {type(vt).__name__}")
 
 
 def concrete_int(x: Any) -> int:

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import weakref
+import zlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -106,6 +107,7 @@ def _make_hook(
     limits: list[int],
     name: str,
     comm_dtype: torch.dtype | None,
+    owner: int,
 ):
     def reduce_grad(param: torch.Tensor) -> None:
         if not state.require_backward_grad_sync or param.grad is None:
@@ -116,7 +118,7 @@ def _make_hook(
             grad = _torch.local_tensor(param.grad)
             ready = -1 if state.ready_position is None else state.ready_position[index]
             reduced = ALL_REDUCE_GRADIENT(
-                grad, group_name, "avg", limits, name, comm_dtype, ready
+                grad, group_name, "avg", limits, name, comm_dtype, ready, owner
             )
             param.grad.copy_(_torch.as_like(param.grad, reduced))
             return
@@ -147,9 +149,10 @@ _wrappers: dict[int, weakref.ref] = {}
 _keys = itertools.count()
 
 
-def _learn_ready_order(key: int, args: Any, kwargs: Any) -> None:
-    """Called at each eager forward, or once when Dynamo traces the forward (with fake
-    inputs): learn eager autograd's ready order the first time it is needed."""
+def _learn_ready_order(key: int, inputs: Any) -> None:
+    """Called at each eager forward, or once when Dynamo traces the forward: learn eager
+    autograd's ready order the first time compiled autograd will need it, and take
+    group rank 0's (eager DDP also rebuilds its buckets from rank 0's order)."""
     ref = _wrappers.get(key)
     wrapper = ref() if ref is not None else None
     if wrapper is None or wrapper._state.ready_learned:
@@ -157,7 +160,14 @@ def _learn_ready_order(key: int, args: Any, kwargs: Any) -> None:
     if not config.enabled or not torch.is_grad_enabled():
         return  # only compiled autograd needs it; the eager reducer watches its hooks
     names = [n for n, _ in wrapper._params]
-    order = ready_order.learn(wrapper.module, names, args, kwargs)
+    try:
+        args, kwargs = inputs()
+    except Exception as e:  # noqa: BLE001 - an argument Dynamo cannot give
+        ready_order.graph_order(f"forward arguments: {e}")
+        order = None
+    else:
+        order = ready_order.learn(wrapper.module, names, args, kwargs)
+    order = _from_rank0(order, wrapper.process_group)
     state = wrapper._state
     if order is not None:
         position = [0] * len(names)
@@ -165,6 +175,21 @@ def _learn_ready_order(key: int, args: Any, kwargs: Any) -> None:
             position[i] = rank
         state.ready_position = tuple(position)
     state.ready_learned = True
+
+
+def _from_rank0(value: Any, group: dist.ProcessGroup) -> Any:
+    if group.size() == 1 or dist.get_backend(group) == "fake":
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+    return shared[0]
+
+
+def _owner_id(params: list[tuple[str, torch.Tensor]], group_name: str) -> int:
+    """A wrapper's id in its gradients' all-reduce tags: its parameters' names and group,
+    hashed (the same in every process and for a re-created wrapper, so graphs stay
+    cacheable; wrappers with equal ids would share buckets, as before this id)."""
+    return zlib.crc32("\0".join([group_name, *(n for n, _ in params)]).encode()) & 0x7FFFFFFF
 
 
 def _check_not_hooked(params: list[tuple[str, torch.Tensor]]) -> None:
@@ -284,6 +309,12 @@ class DistributedDataParallel(nn.Module):
         if any(_torch.is_dtensor(p) for _, p in params):
             _install.need_dtensor_clone()
         self._state = _SyncState()
+        self._key = next(_keys)
+        if find_unused_parameters:
+            # Eager DDP never rebuilds its buckets with this flag: they stay in reverse
+            # parameter order (the eager reducer's order too); nothing to learn.
+            self._state.ready_position = tuple(reversed(range(len(params))))
+            self._state.ready_learned = True
         self.reducer = EagerReducer(
             params,
             self.process_group,
@@ -296,7 +327,7 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(
                 _make_hook(
                     self._state, self.reducer, i, group_name, self.bucket_bytes_limits, n,
-                    self.comm_dtype,
+                    self.comm_dtype, _owner_id(params, group_name),
                 )
             )
             for i, (n, p) in enumerate(params)
@@ -305,7 +336,6 @@ class DistributedDataParallel(nn.Module):
         for _, p in params:
             _owners[p] = me
         self._params = params
-        self._key = next(_keys)
         _wrappers[self._key] = me
         # Hooks hold no reference to the wrapper; once it is garbage, they go with it,
         # and the bare module trains locally again.

@@ -22,7 +22,7 @@ REDUCE_OPS = ("avg", "sum")
 """``avg``: divide by the group size, then sum (DDP's mean). ``sum``: sum only."""
 
 
-@torch.library.custom_op("ddp_fusion::all_reduce_gradient", mutates_args=())
+@torch.library.custom_op("ddp_fusion::all_reduce_gradient", mutates_args=(), tags=_torch.CUDAGRAPH_UNSAFE)
 def _all_reduce_gradient(
     grad: torch.Tensor,
     group_name: str,
@@ -31,10 +31,13 @@ def _all_reduce_gradient(
     name: str,
     comm_dtype: torch.dtype | None = None,
     ready_order: int = -1,
+    owner: int = -1,
 ) -> torch.Tensor:
-    # bucket_limits, name and ready_order are for the pass (bucket plan, dumps); unused
-    # here. ready_order: this gradient's position in eager autograd's ready order (the
-    # order eager DDP buckets in), or -1 if unknown (the pass then uses graph order).
+    # bucket_limits, name, ready_order and owner are for the pass (bucket plan, dumps);
+    # unused here. ready_order: this gradient's position in eager autograd's ready order
+    # (the order eager DDP buckets in), or -1 if unknown (the pass then uses graph
+    # order). owner: the wrapper whose hook made the call (its gradients never share a
+    # bucket with another wrapper's, as two eager DDP models never do), or -1.
     group = _torch.resolve_process_group(group_name)
     if group is None:
         raise RuntimeError(
@@ -50,7 +53,7 @@ def _all_reduce_gradient(
 
 
 @_all_reduce_gradient.register_fake
-def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1):
+def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1, owner=-1):
     # Contiguous whatever the gradient's strides: what every fused form returns.
     return grad.new_empty(grad.shape)
 

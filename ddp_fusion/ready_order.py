@@ -34,7 +34,8 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
     """Indices into ``names`` (trainable parameters of ``module``) in the order eager
     autograd makes their gradients ready for a backward of the sum of ``module(*args,
     **kwargs)``'s floating-point outputs; parameters that get no gradient come last, in
-    reverse order (where eager DDP's rebuild puts them)."""
+    reverse order (where eager DDP's rebuild puts them). The module's state is restored
+    afterwards, whatever its forward assigned (a cache built on first use, say)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -49,29 +50,83 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
         with mode:
             return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
 
-    with _torch.disable_compiled_autograd(), torch.enable_grad():
-        state: dict[str, torch.Tensor] = {}
-        for n, p in module.named_parameters():
-            f = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
-            if n in index:
-                f.register_post_accumulate_grad_hook(lambda _, i=index[n]: order.append(i))
-            state[n] = f
-        for n, b in module.named_buffers():
-            state[n] = mode.from_tensor(b.detach())
-        fake_args, fake_kwargs = tree_map(fake, (args, kwargs))
-        with mode:
-            out = torch.func.functional_call(module, state, fake_args, fake_kwargs)
-            losses = [
-                o.sum() for o in tree_leaves(out)
-                if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
-            ]
-            if losses:
+    saved = _snapshot(module)
+    try:
+        with _torch.disable_compiled_autograd(), torch.enable_grad():
+            state: dict[str, torch.Tensor] = {}
+            for n, p in module.named_parameters():
+                f = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
+                if n in index:
+                    f.register_post_accumulate_grad_hook(lambda _, i=index[n]: order.append(i))
+                state[n] = f
+            for n, b in module.named_buffers():
+                state[n] = mode.from_tensor(b.detach())
+            fake_args, fake_kwargs = tree_map(fake, (args, kwargs))
+            with mode:
+                out = torch.func.functional_call(module, state, fake_args, fake_kwargs)
+                losses = [
+                    o.sum() for o in tree_leaves(out)
+                    if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
+                ]
+                if not losses:
+                    raise ValueError(
+                        "the model's output holds no floating-point tensor that requires "
+                        f"grad where torch.utils._pytree can see it ({type(out).__name__})"
+                    )
                 torch.stack(losses).sum().backward()
+    finally:
+        _restore(saved)
+    leaked = _fake_attributes(module)
+    if leaked:
+        raise RuntimeError(f"the forward left fake tensors in the model: {', '.join(leaked[:5])}")
     seen = set(order)
     return order + [i for i in reversed(range(len(names))) if i not in seen]
 
 
+def _snapshot(module: torch.nn.Module) -> list[tuple[torch.nn.Module, dict, dict, dict, dict]]:
+    return [
+        (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
+        for m in module.modules()
+    ]
+
+
+def _restore(saved: list[tuple[torch.nn.Module, dict, dict, dict, dict]]) -> None:
+    for m, attributes, params, buffers, modules in saved:
+        m.__dict__.clear()
+        m.__dict__.update(attributes)
+        for now, before in ((m._parameters, params), (m._buffers, buffers), (m._modules, modules)):
+            now.clear()
+            now.update(before)
+
+
+def _fake_attributes(module: torch.nn.Module) -> list[str]:
+    """Attributes (one level into lists, tuples and dicts) that hold fake tensors: what
+    a forward mutated in place and ``_restore`` could not undo."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    found = []
+    for prefix, m in module.named_modules():
+        for k, v in m.__dict__.items():
+            values = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+            if any(isinstance(x, FakeTensor) for x in values):
+                found.append(f"{prefix}.{k}" if prefix else k)
+    return found
+
+
 _warned: set[str] = set()
+
+
+def graph_order(reason: str) -> None:
+    """Count, and warn once per reason, that buckets follow the compiled graph's order."""
+    _torch.counters()["ddp_fusion"]["ready order: graph's"] += 1
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning(
+            "ddp_fusion: could not learn eager autograd's ready order (%s); buckets follow "
+            "the compiled backward's order, which can differ from eager DDP's by a "
+            "gradient at a bucket edge",
+            reason,
+        )
 
 
 def learn(module: torch.nn.Module, names: list[str], args: Any, kwargs: Any) -> list[int] | None:
@@ -80,14 +135,5 @@ def learn(module: torch.nn.Module, names: list[str], args: Any, kwargs: Any) -> 
     try:
         return eager_ready_order(module, names, args, kwargs)
     except Exception as e:  # noqa: BLE001 - any failure means: use the graph's order
-        _torch.counters()["ddp_fusion"]["ready order: graph's"] += 1
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if reason not in _warned:
-            _warned.add(reason)
-            log.warning(
-                "ddp_fusion: could not run the model on fake tensors to learn eager "
-                "autograd's ready order (%s); buckets follow the compiled backward's "
-                "order, which can differ from eager DDP's by a gradient at a bucket edge",
-                reason,
-            )
+        graph_order(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return None

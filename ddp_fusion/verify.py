@@ -12,8 +12,9 @@ same sizes. Two things can break that in data-parallel training:
   of a hash of the group's plan (one int64 per rank: one small collective per group
   per step, overlapped with backward compute), and has one ``ddp_fusion::plan_guard``
   right before the group's first bucket, which waits for it. If the hashes differ,
-  every rank exchanges its plan and raises :class:`PlanMismatchError` naming the
-  difference, before any bucket is issued.
+  every rank reads the others' plans from the process group's store (no collective)
+  and raises :class:`PlanMismatchError` naming the difference, before any bucket is
+  issued.
 
 The guard also returns the divisor of the bucket scaling, read from the live process
 group at run time (the group size for ``avg``, 1 for ``sum``); nothing about the group
@@ -57,7 +58,7 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return group
 
 
-@torch.library.custom_op("ddp_fusion::plan_check_start", mutates_args=())
+@torch.library.custom_op("ddp_fusion::plan_check_start", mutates_args=(), tags=_torch.CUDAGRAPH_UNSAFE)
 def plan_check_start(group_name: str, plan: str, device: torch.device) -> torch.Tensor:
     """Start this step's cross-rank check of the group's bucket ``plan``: an async
     all-gather of the plan's hash, one int64 per rank, sized by the live group. Returns
@@ -76,7 +77,7 @@ def _(group_name, plan, device):
     return torch.empty((), dtype=torch.float32, device=device)
 
 
-@torch.library.custom_op("ddp_fusion::plan_guard", mutates_args=())
+@torch.library.custom_op("ddp_fusion::plan_guard", mutates_args=(), tags=_torch.CUDAGRAPH_UNSAFE)
 def plan_guard(
     token: torch.Tensor, group_name: str, plan: str, reduce_op: str, device: torch.device
 ) -> torch.Tensor:
@@ -92,9 +93,7 @@ def plan_guard(
         work, everyone, mine = pending
         work.wait()
         if not bool((everyone == mine).all()):
-            plans: list[str | None] = [None] * group.size()
-            dist.all_gather_object(plans, plan, group=group)
-            raise PlanMismatchError(_describe_mismatch(group_name, plans))
+            raise PlanMismatchError(_describe_mismatch(group_name, _plans_of(everyone, plan)))
     divisor = group.size() if reduce_op == "avg" else 1
     return torch.full((), divisor, dtype=torch.float32, device=device)
 
@@ -135,6 +134,16 @@ def _report_plan(group_name: str, plan: str) -> None:
         )
 
 
+def _plans_of(hashes: torch.Tensor, plan: str) -> list[str]:
+    """Every rank's plan, by its hash, through the store: no collective, so ranks whose
+    graphs differ cannot block each other in different exchanges (several groups)."""
+    store = _torch.default_store()
+    mine = _plan_hash(plan)
+    store.set(f"ddp_fusion/plan/{mine}", plan)
+    by_hash = {h: store.get(f"ddp_fusion/plan/{h}").decode() for h in set(hashes.tolist())}
+    return [by_hash[h] for h in hashes.tolist()]
+
+
 def _describe_mismatch(group_name: str, plans: Sequence[str | None]) -> str:
     decoded = [json.loads(p) if p else [] for p in plans]
     lines = [
@@ -155,6 +164,11 @@ def _describe_mismatch(group_name: str, plans: Sequence[str | None]) -> str:
         if missing:
             lines.append(f"  group rank {i} has no gradient for: {', '.join(missing[:20])}"
                          + (" ..." if len(missing) > 20 else ""))
+    if all(have == everyone for have in names):
+        lines.append(
+            "  every rank reduces the same gradients, in different buckets: the ranks' "
+            "bucket arguments, dtypes or learned ready orders differ"
+        )
     return "\n".join(lines)
 
 

@@ -260,6 +260,24 @@ class TestWhatIsFused:
         assert [[g.name for g in b.grads] for b in result.buckets] == [["b", "a"], ["d", "c"]]
         torch.testing.assert_close(gm(*args), fn(*args))
 
+    def test_two_wrappers_never_share_a_bucket(self, fake_pg):
+        """Two wrappers (owners 0 and 1) on the same group, each numbering its ready
+        order from 0: buckets stay per wrapper, as with two eager DDP models."""
+
+        def fn(*xs):
+            out = []
+            for i, x in enumerate(xs):
+                owner, r = divmod(i, 4)
+                name = f"{'DG'[owner]}{r}"
+                out.append(ALL_REDUCE_GRADIENT(x * 2, fake_pg.group_name, "avg", [8], name, None, r, owner))
+            return out
+
+        gm = trace(fn, *[torch.randn(1) for _ in range(8)])
+        result = fuse(gm, algorithm="concat")
+        assert [[g.name for g in b.grads] for b in result.buckets] == [
+            ["D0", "D1"], ["D2", "D3"], ["G0", "G1"], ["G2", "G3"]
+        ]
+
     def test_ready_order_is_ignored_when_a_gradient_reads_a_reduced_one(self, fake_pg):
         """b is computed from a's reduced value: buckets in ready order could wait on each
         other, so the plan uses graph order and cuts there."""

@@ -27,6 +27,7 @@ class BucketKey:
     reduce_op: str
     limits: tuple[int, ...]
     comm_dtype: torch.dtype | None = None
+    owner: int = -1  # the wrapper that made the call (-1: all_reduce_gradient)
 
 
 @dataclasses.dataclass
@@ -60,7 +61,7 @@ def find_gradient_all_reduces(
     unfused: list[Unfused] = []
     registered: dict[str, bool] = {}
     for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=True):
-        grad, group_name, reduce_op, limits, name, comm_dtype, ready_order = _args(node)
+        grad, group_name, reduce_op, limits, name, comm_dtype, ready_order, owner = _args(node)
         val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
         reason = None
         if not isinstance(val, torch.Tensor):
@@ -84,6 +85,7 @@ def find_gradient_all_reduces(
                 key=BucketKey(
                     group_name, val.dtype, val.device, reduce_op, tuple(limits),
                     None if comm_dtype == val.dtype else comm_dtype,
+                    owner,
                 ),
                 shape=tuple(val.shape),
                 numel=val.numel(),

@@ -1,0 +1,99 @@
+"""Learning eager autograd's ready order (ddp_fusion/ready_order.py) leaves the model as
+it was, copes with any forward arguments, and says so when it cannot learn (one
+process, fake group of 2)."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import ddp_fusion
+
+pytestmark = pytest.mark.usefixtures("fake_pg")
+
+
+class LazyCache(torch.nn.Module):
+    """Builds a tensor cache on its first forward (as rotary embeddings often do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None or self.cache.shape[0] < x.shape[0]:
+            self.cache = torch.arange(x.shape[0], dtype=x.dtype)[:, None]
+        return self.lin(x) * self.cache[: x.shape[0]]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_state_built_by_the_fake_run_does_not_leak_into_the_model(compiled):
+    torch._dynamo.reset()
+    net = LazyCache()
+    with ddp_fusion.config.patch(enabled=True):
+        wrapper = ddp_fusion.DistributedDataParallel(net)
+        model = torch.compile(wrapper) if compiled else wrapper
+        model(torch.randn(3, 4)).sum().backward()
+    assert wrapper._state.ready_position is not None  # it did learn
+    assert type(net.cache) is torch.Tensor
+    torch.testing.assert_close(net.cache, torch.arange(3.0)[:, None])
+
+
+class Config:
+    scale = 2.0
+
+
+class WithOptions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, *, cfg, act, mask=None):
+        return act(self.b(self.a(x))) * cfg.scale
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_forward_arguments_dynamo_cannot_make_proxies_of(enabled):
+    """A config object and a function as keyword arguments: the compiled wrapper runs
+    (with or without fusion), and the order is learned from them."""
+    torch._dynamo.reset()
+    with ddp_fusion.config.patch(enabled=enabled):
+        wrapper = ddp_fusion.DistributedDataParallel(WithOptions())
+        out = torch.compile(wrapper)(torch.randn(2, 4), cfg=Config(), act=torch.tanh)
+        out.sum().backward()
+    learned = wrapper._state.ready_position
+    if enabled:  # b's gradients are ready first, bias before weight
+        assert [n for _, n in sorted(zip(learned, ["a.weight", "a.bias", "b.weight", "b.bias"]))] == [
+            "b.bias", "b.weight", "a.bias", "a.weight"
+        ]
+    else:
+        assert learned is None
+
+
+@dataclasses.dataclass
+class Out:
+    y: torch.Tensor
+
+
+class DataclassOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Out(self.lin(x))
+
+
+def test_output_the_fake_run_cannot_see_into_is_reported(caplog):
+    """A plain dataclass output (not a pytree): no order can be learned; a warning and
+    a counter say that buckets follow the graph's order."""
+    counters.clear()
+    with ddp_fusion.config.patch(enabled=True):
+        wrapper = ddp_fusion.DistributedDataParallel(DataclassOut())
+        wrapper(torch.randn(2, 4))
+    assert wrapper._state.ready_position is None
+    assert counters["ddp_fusion"]["ready order: graph's"] == 1
+    assert any("could not learn eager autograd's ready order" in r.message and "Out" in r.message
+               for r in caplog.records)
