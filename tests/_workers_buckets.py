@@ -83,3 +83,34 @@ def bucket_membership(rank, world_size, dump_root, steps=3):
             ),
         }
     return out
+
+
+class ShapeDependent(torch.nn.Module):
+    """Runs ``a`` then ``b`` for batches over 4 rows, ``b`` then ``a`` otherwise: eager
+    autograd's ready order depends on the first batch a rank sees."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x)) if x.shape[0] > 4 else self.a(self.b(x))
+
+
+def first_batches_differ(rank, world_size):
+    """Rank 0's first batch has 8 rows, rank 1's 3: each would learn another ready
+    order. Every rank must take rank 0's (as eager DDP rebuilds from rank 0's), so the
+    compiled plans agree; returns each rank's learned positions and any error."""
+    from ddp_fusion.verify import PlanMismatchError
+
+    torch._dynamo.reset()
+    with ddp_fusion.config.patch(enabled=True):
+        wrapper = ddp_fusion.DistributedDataParallel(ShapeDependent(), bucket_cap_mb=0)
+        model = torch.compile(wrapper)
+        try:
+            for rows in ((8, 3)[rank], 8, 8):
+                model(torch.randn(rows, 4)).sum().backward()
+        except PlanMismatchError as e:
+            return wrapper._state.ready_position, str(e)
+    return wrapper._state.ready_position, None

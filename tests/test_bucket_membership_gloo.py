@@ -7,7 +7,7 @@ import pytest
 
 from ddp_fusion.launch import run_ranks
 
-from _workers_buckets import BUCKET_ARGS, bucket_membership
+from _workers_buckets import BUCKET_ARGS, bucket_membership, first_batches_differ
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +30,13 @@ def test_bucket_membership_equals_torch_ddp_rebuilt_buckets(results, label):
             assert plan == r["want"]
         assert r["collectives"] == len(r["want"])
         assert r["max_diff"] < 1e-5
+
+
+def test_every_rank_takes_rank_0s_ready_order():
+    """Ranks whose first batches would teach them different orders take rank 0's, so
+    their plans agree and training goes on (before: PlanMismatchError at every step)."""
+    (pos0, err0), (pos1, err1) = run_ranks(first_batches_differ, world_size=2, timeout=600)
+    assert err0 is None and err1 is None, (err0, err1)
+    # rank 0 (8 rows) learns b.bias, b.weight, a.bias, a.weight: positions by parameter
+    # (a.weight, a.bias, b.weight, b.bias); rank 1 (3 rows) alone would learn a first
+    assert pos0 == pos1 == (3, 2, 1, 0)

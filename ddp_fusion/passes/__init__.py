@@ -108,10 +108,17 @@ def fuse_ddp_allreduces(
     order = {node: i for i, node in enumerate(graph.nodes)}
     fuse = _FUSERS[algorithm]
     fused = []
+    anchor_at = -1  # graph position of the node the previous bucket was placed after
     for bucket in result.buckets:
-        last_grad = max((g.grad for g in bucket.grads), key=order.__getitem__)
+        # After its last gradient, and after the bucket planned before it: collectives
+        # are issued in plan order (the same on every rank with the same plan).
+        after = max((g.grad for g in bucket.grads), key=order.__getitem__)
+        if order[after] > anchor_at:
+            anchor_at = order[after]
+        else:
+            after = fused[-1].tails[-1][-1]  # the end of the previous bucket's nodes
         key = bucket.key
-        fused.append(fuse(make, bucket, last_grad, guards[key.group_name, key.reduce_op, key.device]))
+        fused.append(fuse(make, bucket, after, guards[key.group_name, key.reduce_op, key.device]))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})
     # A reader of an early gradient in a bucket may sit before the bucket's collective
     # (never in a compiled backward, where readers are the final copy_ into .grad, but

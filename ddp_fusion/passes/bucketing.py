@@ -13,7 +13,7 @@ Ready order is eager autograd's when the hooks say it (``ready_order`` on each t
 all-reduce: the wrapper learns it once from a fake-tensor run of the model in eager
 autograd, see ``ddp_fusion/ready_order.py``), so buckets hold exactly the gradients
 eager DDP's rebuilt buckets hold; each bucket's collective then goes right after the
-last of its gradients is computed in the graph. Otherwise it is the order the graph
+last of its gradients is computed in the graph, and not before the previous bucket's. Otherwise it is the order the graph
 computes the gradients in, which differs from eager autograd's inside a layer (a
 compiled backward computes a Linear's weight gradient before its bias gradient).
 
@@ -86,8 +86,8 @@ class Bucket:
 
 
 def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Bucket]:
-    """Buckets in the order their collectives are issued (the graph position of each
-    bucket's last gradient)."""
+    """Buckets in the order their collectives are to be issued: each after the last of
+    its gradients and after the bucket before it (passes/__init__.py)."""
     if grads and all(g.ready_order >= 0 for g in grads) and not _reads_reduced(graph, grads):
         return _plan_in_ready_order(graph, grads)
     return _plan_in_graph_order(graph, grads)
@@ -110,16 +110,22 @@ def _split(key: BucketKey, grads: list[GradAllReduce]) -> list[Bucket]:
 
 
 def _plan_in_ready_order(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Bucket]:
+    """Per key, DDP's rule over the ready order, and the key's buckets issued in that
+    order (as eager DDP launches its buckets strictly in order), so ranks with the same
+    buckets issue them in the same order even where their graphs compute gradients in
+    different orders. Across keys (another group, dtype or wrapper), buckets interleave
+    by where they can first be issued in the graph."""
     position = {node: i for i, node in enumerate(graph.nodes)}
     by_key: dict[BucketKey, list[GradAllReduce]] = {}
     for g in grads:
         by_key.setdefault(g.key, []).append(g)
-    buckets = [
-        b
-        for key, same in by_key.items()
-        for b in _split(key, sorted(same, key=lambda g: g.ready_order))
-    ]
-    return sorted(buckets, key=lambda b: max(position[g.grad] for g in b.grads))
+    ready_at: list[tuple[int, int, int, Bucket]] = []
+    for k, (key, same) in enumerate(by_key.items()):
+        at = -1
+        for i, b in enumerate(_split(key, sorted(same, key=lambda g: g.ready_order))):
+            at = max(at, *(position[g.grad] for g in b.grads))
+            ready_at.append((at, k, i, b))
+    return [b for *_, b in sorted(ready_at, key=lambda t: t[:3])]
 
 
 def _reads_reduced(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> bool:
