@@ -97,3 +97,17 @@ def test_output_the_fake_run_cannot_see_into_is_reported(caplog):
     assert counters["ddp_fusion"]["ready order: graph's"] == 1
     assert any("could not learn eager autograd's ready order" in r.message and "Out" in r.message
                for r in caplog.records)
+
+
+def test_gradients_of_a_wrapper_that_never_learned_are_reported(caplog):
+    """The inner module compiled and called without the wrapper: the wrapper's hooks
+    still tag the gradients, with no ready order; the pass says it uses graph order."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(enabled=True):
+        wrapper = ddp_fusion.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        torch.compile(wrapper.module)(torch.randn(2, 4)).sum().backward()
+    assert wrapper._state.ready_position is None
+    assert counters["ddp_fusion"]["ready order: graph's"] == 1
+    assert counters["ddp_fusion"]["buckets"] == 1  # still fused
+    assert any("carry no ready order" in r.message for r in caplog.records)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch.fx
 
 from .. import _torch
+from ..ready_order import graph_order
 from .collectives import BucketKey, GradAllReduce
 
 MiB = 1024 * 1024
@@ -90,6 +91,12 @@ def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Buck
     its gradients and after the bucket before it (passes/__init__.py)."""
     if grads and all(g.ready_order >= 0 for g in grads) and not _reads_reduced(graph, grads):
         return _plan_in_ready_order(graph, grads)
+    if any(g.key.owner >= 0 and g.ready_order < 0 for g in grads):
+        graph_order(
+            "a wrapper's gradients carry no ready order: its forward did not run with "
+            "config.enabled and grad mode on before this backward was compiled (say, a "
+            "compiled inner module called without the wrapper)"
+        )
     return _plan_in_graph_order(graph, grads)
 
 
