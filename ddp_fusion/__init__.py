@@ -7,11 +7,15 @@
 See README.md and DESIGN.md.
 """
 
-from . import config as _config_module
-from ._install import _on_change
-from .config import config
-from .ddp import DistributedDataParallel, all_reduce_gradient
-from . import passes
+from . import _torch
+
+_torch.check_torch()  # a torch without an internal ddp_fusion needs fails here, naming it
+
+from . import config as _config_module  # noqa: E402
+from ._install import _on_change  # noqa: E402
+from .config import config  # noqa: E402
+from .ddp import DistributedDataParallel, all_reduce_gradient  # noqa: E402
+from . import passes  # noqa: E402
 
 __all__ = ["DistributedDataParallel", "all_reduce_gradient", "config", "passes"]
 

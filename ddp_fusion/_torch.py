@@ -1,7 +1,9 @@
 """The one place where ddp_fusion touches private torch APIs.
 
 Everything here is underscore-prefixed upstream and has moved between releases. A torch
-upgrade that breaks ddp_fusion should break in this file only. Supported: torch 2.11, 2.13.
+upgrade that breaks ddp_fusion should break in this file only, and at import: every
+internal it reaches is listed in ``_REQUIRED`` and checked by ``check_torch()``. Tested:
+torch 2.13 (``TESTED_TORCH``).
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def allow_dtensor_post_accumulate_grad_hooks() -> Callable[[], None]:
 
     Tracing such a hook, compiled autograd copies the parameter with
     ``clone_preserve_strides``, which calls ``as_strided``; DTensor does not implement
-    ``as_strided``, so the backward fails (torch 2.11 to 2.13). A DTensor's own
+    ``as_strided``, so the backward fails (torch 2.13). A DTensor's own
     ``clone()`` keeps its placements and its local shard's strides, which is what that
     copy is for; every other tensor still goes through torch's function. Returns the
     function that puts torch's back.
@@ -353,3 +355,44 @@ def _example_of(vt: Any) -> Any:
 def concrete_int(x: Any) -> int:
     """An int, or the example value (hint) of a symbolic one, without adding a guard."""
     return x if isinstance(x, int) else int(x.node.hint)
+
+
+#: What this module reaches into, as (module, attribute path). Checked once at import
+#: (:func:`check_torch`), so a torch without one of them fails there, naming it, rather
+#: than deep inside a forward or backward.
+_REQUIRED = (
+    ("torch", "_C._dynamo.compiled_autograd.set_autograd_compiler"),
+    ("torch._dynamo.compiled_autograd", "AutogradCompilerInstance"),
+    ("torch._dynamo.compiled_autograd", "maybe_clone"),
+    ("torch._dynamo.comptime", "comptime"),
+    ("torch", "_TorchCompileInductorWrapper"),
+    ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
+    ("torch._inductor.custom_graph_pass", "get_hash_for_files"),
+    ("torch", "_C._distributed_c10d._resolve_process_group"),
+    ("torch.distributed.distributed_c10d", "_get_default_store"),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel._pre_forward"),
+)
+
+#: torch versions a full test run has passed with.
+TESTED_TORCH = ("2.13",)
+
+
+def check_torch() -> None:
+    """Raise ``ImportError`` naming every private torch API ddp_fusion needs that this
+    torch lacks."""
+    import importlib
+
+    missing = []
+    for module, path in _REQUIRED:
+        try:
+            obj: Any = importlib.import_module(module)
+            for name in path.split("."):
+                obj = getattr(obj, name)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{path}")
+    if missing:
+        raise ImportError(
+            f"ddp_fusion needs torch internals that torch {torch.__version__} lacks: "
+            f"{', '.join(missing)}. ddp_fusion is tested with torch "
+            f"{', '.join(TESTED_TORCH)}; see ddp_fusion/_torch.py"
+        )

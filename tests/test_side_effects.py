@@ -91,3 +91,10 @@ def test_backward_compile_kwargs_reach_backward_graphs_and_peak_memory_reorder_i
 def test_bad_backward_compile_kwargs(value, match):
     with pytest.raises(ValueError, match=match):
         ddp_fusion.config.backward_compile_kwargs = value
+
+
+def test_a_torch_without_a_needed_internal_fails_at_import_naming_it(monkeypatch):
+    """What a torch upgrade that moved an internal looks like: a clear ImportError."""
+    monkeypatch.delattr(torch.nn.parallel.DistributedDataParallel, "_pre_forward")
+    with pytest.raises(ImportError, match=r"DistributedDataParallel\._pre_forward.*tested with torch 2\.13"):
+        _torch.check_torch()
