@@ -67,15 +67,6 @@ def stable_topological_sort(graph: torch.fx.Graph) -> None:
     _sort(graph)
 
 
-def enable_compiled_autograd(compiler_fn: Callable[..., Any]) -> AbstractContextManager[None]:
-    """Compiled autograd for every ``backward()`` while the returned context is open."""
-    from torch._dynamo import compiled_autograd
-
-    # `_enable` since torch 2.7; `enable` before (same signature).
-    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
-    return enable(compiler_fn)
-
-
 class CompiledAutogradHandle:
     """Compiled autograd switched on by :func:`install_compiled_autograd`, restorable."""
 
@@ -100,9 +91,6 @@ class CompiledAutogradHandle:
         current = self._set(None, False)
         self._set(*current)
         return current[0]
-
-    def is_active(self) -> bool:
-        return self.current() is self.factory
 
     def restore(self) -> None:
         """Put back what was there before. Refused (``RuntimeError``) while a compiled
@@ -261,7 +249,7 @@ def fake_store() -> Any:
 
 
 def disable_compiled_autograd() -> AbstractContextManager[None]:
-    """Eager autograd inside the block, even while ``enable_compiled_autograd`` is open."""
+    """Eager autograd inside the block, even while compiled autograd is on."""
     from torch._dynamo import compiled_autograd
 
     return compiled_autograd._disable()

@@ -20,12 +20,15 @@ def current_compiler():
 
 
 def test_off_restores_a_compiled_autograd_context_opened_before():
+    multithreading = torch._C._is_multithreading_enabled()
     with compiled_autograd._enable(torch.compile):
         users = current_compiler()
         with ddp_fusion.config.patch(enabled=True):
             assert current_compiler() is not users
+            assert not torch._C._is_multithreading_enabled()
         assert current_compiler() is users and compiled_autograd.compiled_autograd_enabled
     assert current_compiler() is None and not compiled_autograd.compiled_autograd_enabled
+    assert torch._C._is_multithreading_enabled() == multithreading
 
 
 def test_off_inside_a_context_opened_after_is_refused_clearly_and_changes_nothing():
