@@ -14,9 +14,13 @@ it goes off. The effects, in the order they are applied (README, "What
    hold ddp_fusion collectives only* (it would move each bucket's wait back up next to
    its collective); for those with a communication dtype, Inductor's precision-cast
    emulation on (see :func:`_patches_for`). Off restores the previous compiler and multithreading setting.
-3. ``torch.nn.parallel.DistributedDataParallel`` checks at each forward whether it uses
-   torch's C++ reducer, which compiled autograd cannot run, and raises an error that
-   names ddp_fusion and the fix (instead of torch's error deep in backward).
+3. ``torch.nn.parallel.DistributedDataParallel``: one constructed now is adopted by
+   ddp_fusion right after torch's constructor (stock.py: its gradients go through
+   ddp_fusion's hooks and pass instead of torch's C++ reducer). One constructed
+   before, which still uses the C++ reducer that compiled autograd cannot run, raises
+   at its next forward an error that names ddp_fusion and the fix (instead of torch's
+   error deep in backward). Off restores torch's constructor and forward; models
+   adopted stay adopted.
 4. Only while a ddp_fusion wrapper holds DTensor parameters: compiled autograd copies
    DTensor parameters with ``clone()`` (``_torch.allow_dtensor_post_accumulate_grad_hooks``).
 """
@@ -94,6 +98,8 @@ def _patches_for(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
         patches.update(_torch.inductor_options_keeping_node_order())
     if any(_comm_dtype(n) is not None for n in tagged):
         patches.update(_torch.inductor_options_emulating_precision_casts())
+    if tagged:
+        patches.update(_torch.inductor_options_without_upstream_ddp_fusion())
     return patches
 
 
@@ -134,10 +140,10 @@ def _refuse_cpp_reducer(ddp: Any) -> None:
     ):
         raise RuntimeError(
             "ddp_fusion.config.enabled is on, so every backward runs under compiled "
-            "autograd, and this torch.nn.parallel.DistributedDataParallel reduces "
-            "gradients with torch's C++ reducer, which compiled autograd cannot run. Wrap "
-            "the module in ddp_fusion.DistributedDataParallel (same arguments) instead, or "
-            "turn ddp_fusion.config.enabled off for this model"
+            "autograd, but this torch.nn.parallel.DistributedDataParallel was constructed "
+            "while it was off and reduces gradients with torch's C++ reducer, which "
+            "compiled autograd cannot run. Set ddp_fusion.config.enabled = True (or "
+            "DDP_FUSION=1) before wrapping the model in DDP, or turn it off for this model"
         )
 
 
@@ -147,7 +153,10 @@ def install() -> None:
     try:
         _undo["pass"] = _install_pass()
         _undo["compiled_autograd"] = _torch.install_compiled_autograd(compile_backward).restore
+        from . import stock
+
         _undo["stock_ddp"] = _torch.patch_stock_ddp_forward(_refuse_cpp_reducer)
+        _undo["stock_ddp_init"] = _torch.patch_stock_ddp_init(stock.refuse_arguments, stock.adopt)
         if _wants_dtensor_clone:
             _undo["dtensor_clone"] = _torch.allow_dtensor_post_accumulate_grad_hooks()
     except BaseException:

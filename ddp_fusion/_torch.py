@@ -137,8 +137,8 @@ def inductor_backend(
 
 def patch_stock_ddp_forward(check: Callable[[Any], None]) -> Callable[[], None]:
     """Call ``check(ddp)`` at the start of every forward of a
-    ``torch.nn.parallel.DistributedDataParallel`` (its ``_pre_forward``, which runs
-    eagerly even under torch.compile). Returns the function that undoes it."""
+    ``torch.nn.parallel.DistributedDataParallel`` that ddp_fusion did not adopt (see
+    :func:`adopted_ddp_class`). Returns the function that undoes it."""
     cls = torch.nn.parallel.DistributedDataParallel
     original = cls._pre_forward
 
@@ -159,6 +159,171 @@ def stock_ddp_uses_cpp_reducer(ddp: Any) -> bool:
     """Whether a torch DDP reduces through its C++ reducer (which compiled autograd
     cannot trace) rather than upstream's python reducer (``optimize_ddp="python_reducer"``)."""
     return not getattr(ddp, "_use_python_reducer", False)
+
+
+# -- stock torch DDP, adopted by ddp_fusion (stock.py) ---------------------------------
+
+
+def patch_stock_ddp_init(
+    before: Callable[[dict[str, Any]], None], after: Callable[[Any, dict[str, Any]], None]
+) -> Callable[[], None]:
+    """Around ``torch.nn.parallel.DistributedDataParallel.__init__`` (subclasses'
+    ``super().__init__()`` included): ``before(arguments)`` may refuse the arguments
+    before torch's constructor runs; ``after(ddp, arguments)`` runs right after it.
+    ``arguments`` maps every constructor argument's name to its value (defaults
+    filled in). Returns the function that undoes it."""
+    import functools
+    import inspect
+
+    cls = torch.nn.parallel.DistributedDataParallel
+    original = cls.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(list(bound.arguments.items())[1:])
+        before(arguments)
+        original(self, *args, **kwargs)
+        after(self, arguments)
+
+    cls.__init__ = __init__
+
+    def undo() -> None:
+        if cls.__init__ is __init__:
+            cls.__init__ = original
+
+    return undo
+
+
+def dynamo_optimize_ddp_mode() -> str:
+    """``torch._dynamo.config.optimize_ddp`` as torch DDP reads it at construction."""
+    from torch._dynamo.utils import get_optimize_ddp_mode
+
+    return get_optimize_ddp_mode()
+
+
+def detach_cpp_reducer(ddp: Any) -> None:
+    """Take a constructed torch DDP's C++ reducer out of its gradients' path: remove its
+    autograd hooks (compiled autograd cannot run them) and take the forward path torch
+    takes for its own python reducer (no reducer calls, no DDPOptimizer)."""
+    ddp._remove_autograd_hooks()
+    ddp._use_python_reducer = True
+
+
+def stock_ddp_ignored_names(ddp: Any) -> set[str]:
+    """Parameter and buffer names DDP was told to ignore
+    (``_set_params_and_buffers_to_ignore_for_model``)."""
+    return set(ddp.parameters_to_ignore)
+
+
+def stock_ddp_move_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What torch DDP's forward does with ``device_ids``: move inputs to that device."""
+    if not ddp.device_ids:
+        return inputs, kwargs
+    from torch.nn.parallel.distributed import _to_kwargs
+
+    moved, moved_kwargs = _to_kwargs(
+        inputs,
+        kwargs,
+        torch.device(ddp.device_type, ddp.device_ids[0]),
+        ddp.use_side_stream_for_tensor_copies,
+    )
+    return moved[0], moved_kwargs[0]
+
+
+def stock_ddp_has_buffer_comm_hook(ddp: Any) -> bool:
+    return hasattr(ddp, "buffer_hook")
+
+
+class AdoptedDDPBehaviour:
+    """What an adopted torch DDP does instead of torch's reducer steps (stock.py)."""
+
+    def pre_forward(self, ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def register_comm_hook(self, ddp: Any, state: Any, hook: Any) -> None:
+        raise NotImplementedError
+
+    def register_builtin_comm_hook(self, ddp: Any, kind: Any) -> None:
+        raise NotImplementedError
+
+    def join_hook(self, ddp: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+_adopted_classes: dict[tuple[type, int], type] = {}
+
+
+def adopted_ddp_class(base: type, behaviour: AdoptedDDPBehaviour) -> type:
+    """A subclass of ``base`` (torch DDP or a subclass of it, such as torchft's) whose
+    reducer steps are ``behaviour``'s; a DDP instance is adopted by setting its
+    ``__class__`` to it (as FSDP2's ``fully_shard`` does), so ``isinstance`` checks and
+    the rest of torch DDP's behaviour stay. Same name as ``base``."""
+    key = (base, id(behaviour))
+    if key in _adopted_classes:
+        return _adopted_classes[key]
+
+    def _pre_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        return behaviour.pre_forward(self, inputs, kwargs)
+
+    def _post_forward(self: Any, output: Any) -> Any:
+        return output
+
+    def register_comm_hook(self: Any, state: object, hook: Callable) -> None:
+        behaviour.register_comm_hook(self, state, hook)
+
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        behaviour.register_builtin_comm_hook(self, comm_hook_type)
+
+    def join_hook(self: Any, **kwargs: Any) -> Any:
+        return behaviour.join_hook(self, **kwargs)
+
+    cls = type(
+        base.__name__,
+        (base,),
+        {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "_pre_forward": _pre_forward,
+            "_post_forward": _post_forward,
+            "register_comm_hook": register_comm_hook,
+            "_register_builtin_comm_hook": _register_builtin_comm_hook,
+            "join_hook": join_hook,
+        },
+    )
+    _adopted_classes[key] = cls
+    return cls
+
+
+def broadcast_traceable(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """``tensor`` as ``group``'s rank ``src`` (a rank *in the group*, unlike
+    ``dist.broadcast``) has it: a functional collective, so torch.compile traces it into
+    the graph (no graph break)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.broadcast(tensor, src, group))
+
+
+def stock_ddp_comm_hooks() -> dict[str, Any]:
+    """torch's own DDP comm hooks that ddp_fusion maps onto fused buckets, by role."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {
+        "allreduce": default_hooks.allreduce_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+    }
+
+
+def inductor_options_without_upstream_ddp_fusion() -> dict[str, Any]:
+    """Keep upstream's ``_fuse_ddp_communication`` pass (which torch DDP turns on
+    process-wide under ``optimize_ddp="python_reducer"``) off a graph ddp_fusion fuses."""
+    if hasattr(inductor_config(), "_fuse_ddp_communication"):
+        return {"_fuse_ddp_communication": False}
+    return {}
 
 
 def inductor_options_keeping_node_order() -> dict[str, Any]:
@@ -359,6 +524,12 @@ _REQUIRED = (
     ("torch", "_C._distributed_c10d._resolve_process_group"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.nn.parallel.distributed", "DistributedDataParallel._pre_forward"),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel._post_forward"),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel._remove_autograd_hooks"),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel._register_builtin_comm_hook"),
+    ("torch.nn.parallel.distributed", "_to_kwargs"),
+    ("torch._dynamo.utils", "get_optimize_ddp_mode"),
+    ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "fp16_compress_hook"),
 )
 
 #: torch versions a full test run has passed with.

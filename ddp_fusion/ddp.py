@@ -8,9 +8,8 @@ the tagged ``ddp_fusion::all_reduce_gradient`` op and copies the result into ``.
 the pass then buckets and fuses those ops as eager DDP would have. Run eagerly, the hook
 hands the gradient to a Python bucketed reducer (reducer.py).
 
-Not supported (yet): ``broadcast_buffers`` on every forward (buffers are broadcast once,
-at construction), ``gradient_as_bucket_view``, comm hooks other than a communication
-dtype, sparse gradients, ``static_graph``. DTensor parameters (tensor parallelism on
+Not supported (yet): ``gradient_as_bucket_view``, comm hooks other than a communication
+dtype (torch's fp16/bf16 compress hooks), sparse gradients, ``static_graph``. DTensor parameters (tensor parallelism on
 another mesh dimension) have their local shards reduced over the data-parallel group.
 Under ``torch.compile``,
 ``find_unused_parameters`` covers parameters unused on every rank; one unused on some
@@ -92,11 +91,16 @@ def all_reduce_gradient(
 class _SyncState:
     """What the hooks read; kept off the module so hooks hold no reference to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, comm_dtype: torch.dtype | None) -> None:
         self.require_backward_grad_sync = True
         self.ready_learned = False
         # parameter index -> position in eager autograd's ready order (ready_order.py)
         self.ready_position: tuple[int, ...] | None = None
+        self.comm_dtype = comm_dtype
+        # eager DDP's require_forward_param_sync: sync buffers at the next forward
+        self.forward_param_sync = True
+        self.forwarded = False
+        self.comm_hook: str | None = None
 
 
 def _make_hook(
@@ -106,7 +110,6 @@ def _make_hook(
     group_name: str,
     limits: list[int],
     name: str,
-    comm_dtype: torch.dtype | None,
     owner: int,
 ):
     def reduce_grad(param: torch.Tensor) -> None:
@@ -118,7 +121,7 @@ def _make_hook(
             grad = _torch.local_tensor(param.grad)
             ready = -1 if state.ready_position is None else state.ready_position[index]
             reduced = ALL_REDUCE_GRADIENT(
-                grad, group_name, "avg", limits, name, comm_dtype, ready, owner
+                grad, group_name, "avg", limits, name, state.comm_dtype, ready, owner
             )
             param.grad.copy_(_torch.as_like(param.grad, reduced))
             return
@@ -142,10 +145,11 @@ def _warn_not_compiled() -> None:
 
 _warned_not_compiled: list[bool] = []
 
-# parameter -> weak reference to the live wrapper whose hooks it carries
+# parameter -> weak reference to the live model (wrapper or adopted torch DDP) whose
+# hooks it carries
 _owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# wrapper key (an int, so traced code can name it) -> weak reference to the wrapper
-_wrappers: dict[int, weakref.ref] = {}
+# GradSync key (an int, so traced code can name it) -> weak reference to it
+_syncs: dict[int, weakref.ref] = {}
 _keys = itertools.count()
 
 
@@ -153,24 +157,23 @@ def _learn_ready_order(key: int, inputs: Any) -> None:
     """Called at each eager forward, or once when Dynamo traces the forward: learn eager
     autograd's ready order the first time compiled autograd will need it, and take
     group rank 0's (eager DDP also rebuilds its buckets from rank 0's order)."""
-    ref = _wrappers.get(key)
-    wrapper = ref() if ref is not None else None
-    if wrapper is None or wrapper._state.ready_learned:
+    ref = _syncs.get(key)
+    sync = ref() if ref is not None else None
+    if sync is None or sync.state.ready_learned:
         return
     if not config.enabled or not torch.is_grad_enabled():
         return  # only compiled autograd needs it; the eager reducer watches its hooks
-    names = [n for n, _ in wrapper._params]
     try:
         args, kwargs = inputs()
     except Exception as e:  # noqa: BLE001 - an argument Dynamo cannot give
         ready_order.graph_order(f"forward arguments: {e}")
         order = None
     else:
-        order = ready_order.learn(wrapper.module, names, args, kwargs)
-    order = _from_rank0(order, wrapper.process_group)
-    state = wrapper._state
+        order = ready_order.learn(sync.module, sync.names, args, kwargs)
+    order = _from_rank0(order, sync.group)
+    state = sync.state
     if order is not None:
-        position = [0] * len(names)
+        position = [0] * len(sync.names)
         for rank, i in enumerate(order):
             position[i] = rank
         state.ready_position = tuple(position)
@@ -185,28 +188,27 @@ def _from_rank0(value: Any, group: dist.ProcessGroup) -> Any:
     return shared[0]
 
 
-def _owner_id(params: list[tuple[str, torch.Tensor]], group_name: str) -> int:
-    """A wrapper's id in its gradients' all-reduce tags: its parameters' names and group,
-    hashed (the same in every process and for a re-created wrapper, so graphs stay
-    cacheable; wrappers with equal ids would share buckets, as before this id)."""
-    return zlib.crc32("\0".join([group_name, *(n for n, _ in params)]).encode()) & 0x7FFFFFFF
+def _owner_id(names: list[str], group_name: str) -> int:
+    """A model's id in its gradients' all-reduce tags: its parameters' names and group,
+    hashed (the same in every process and for a re-created model, so graphs stay
+    cacheable; models with equal ids would share buckets, as before this id)."""
+    return zlib.crc32("\0".join([group_name, *names]).encode()) & 0x7FFFFFFF
 
 
-def _check_not_hooked(params: list[tuple[str, torch.Tensor]]) -> None:
+def _check_not_hooked(params: list[tuple[str, torch.Tensor]], who: str) -> None:
     for name, p in params:
         ref = _owners.get(p)
         if ref is not None and ref() is not None:
             raise ValueError(
-                f"DistributedDataParallel: parameter {name!r} already carries the gradient "
-                "hooks of a live ddp_fusion.DistributedDataParallel; wrapping it again would "
-                "reduce its gradient twice. Wrap the module once, or delete the other "
-                "wrapper first"
+                f"{who}: parameter {name!r} already carries the gradient hooks of a live "
+                f"ddp_fusion model ({type(ref()).__name__}); wrapping it again would reduce "
+                "its gradient twice. Wrap the module once, or delete the other wrapper first"
             )
 
 
 def _release(handles: list[Any], params: list[torch.Tensor], key: int) -> None:
-    """Undo a wrapper's hooks once it is garbage (weakref.finalize)."""
-    _wrappers.pop(key, None)
+    """Undo a model's hooks once it is garbage (weakref.finalize)."""
+    _syncs.pop(key, None)
     for h in handles:
         h.remove()
     for p in params:
@@ -215,14 +217,156 @@ def _release(handles: list[Any], params: list[torch.Tensor], key: int) -> None:
             del _owners[p]
 
 
+# torch's DDP comm hooks that are a communication dtype on fused buckets
+_HOOK_DTYPES = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class GradSync:
+    """The gradient machinery of one data-parallel model, shared by
+    :class:`DistributedDataParallel` and a torch DDP adopted under the flag (stock.py):
+    one post-accumulate-grad hook per parameter (a tagged all-reduce when traced by
+    compiled autograd, the eager bucketed reducer otherwise), the ready order learned
+    at the first forward, buffer broadcast at each forward, comm-dtype hooks.
+
+    ``owner`` is the model object; the hooks hold no reference to it or to this object
+    and are removed once ``owner`` is garbage."""
+
+    def __init__(
+        self,
+        owner: nn.Module,
+        module: nn.Module,
+        params: list[tuple[str, torch.Tensor]],
+        group: dist.ProcessGroup,
+        limits: list[int],
+        comm_dtype: torch.dtype | None,
+        find_unused_parameters: bool,
+        who: str,
+    ) -> None:
+        _check_not_hooked(params, who)
+        if any(_torch.is_dtensor(p) for _, p in params):
+            _install.need_dtensor_clone()
+        self.module = module
+        self.names = [n for n, _ in params]
+        self.group = group
+        self.group_size = group.size()
+        self.state = _SyncState(comm_dtype)
+        self.key = next(_keys)
+        if find_unused_parameters:
+            # Eager DDP never rebuilds its buckets with this flag: they stay in reverse
+            # parameter order (the eager reducer's order too); nothing to learn.
+            self.state.ready_position = tuple(reversed(range(len(params))))
+            self.state.ready_learned = True
+        self.reducer = EagerReducer(params, group, limits, comm_dtype, find_unused_parameters)
+        owner_id = _owner_id(self.names, group.group_name)
+        self.handles = [
+            p.register_post_accumulate_grad_hook(
+                _make_hook(self.state, self.reducer, i, group.group_name, limits, n, owner_id)
+            )
+            for i, (n, p) in enumerate(params)
+        ]
+        me = weakref.ref(owner)
+        for _, p in params:
+            _owners[p] = me
+        _syncs[self.key] = weakref.ref(self)
+        weakref.finalize(owner, _release, self.handles, [p for _, p in params], self.key)
+
+    def before_forward(self, args: Any, kwargs: Any, buffers: list[torch.Tensor] | None) -> None:
+        """At the start of each forward (eager or traced). ``buffers``: the module
+        buffers to broadcast from the group's rank 0 (None: ``broadcast_buffers`` off)."""
+        state = self.state
+        state.forwarded = True
+        _torch.call_with_example_inputs(_learn_ready_order, self.key, args, kwargs)
+        # As eager DDP: sync buffers at a forward that follows a forward whose backward
+        # reduces gradients (and at the first one). Only a model with buffers reads
+        # these flags (a compiled forward guards on what it reads).
+        if buffers:
+            if state.forward_param_sync and self.group_size > 1:
+                _broadcast_buffers(buffers, self.group)
+            state.forward_param_sync = torch.is_grad_enabled() and state.require_backward_grad_sync
+
+    def register_comm_hook(self, hook_state: object, hook: Any, who: str) -> None:
+        """torch DDP's ``register_comm_hook`` for the hooks that are a communication
+        dtype on fused buckets (allreduce, fp16 and bf16 compression); others raise."""
+        name = getattr(hook, "__qualname__", repr(hook))
+        roles = {fn: role for role, fn in _torch.stock_ddp_comm_hooks().items()}
+        if hook not in roles:
+            raise NotImplementedError(
+                f"{who}.register_comm_hook: {name} is not supported on a ddp_fusion model "
+                "yet; only torch's allreduce_hook, fp16_compress_hook and "
+                "bf16_compress_hook (which become the fused buckets' communication dtype) "
+                "are. Turn ddp_fusion.config.enabled off before wrapping this model to run "
+                "it with torch's eager DDP reducer"
+            )
+        if hook_state is not None and hook_state is not self.group:
+            raise ValueError(
+                f"{who}.register_comm_hook: {name}'s state must be None or the model's own "
+                f"process group; got {hook_state!r}. A fused model reduces over its "
+                "process group only"
+            )
+        if hook_state is None and self.group is not dist.group.WORLD:
+            raise ValueError(
+                f"{who}.register_comm_hook: with state=None torch's {name} reduces over "
+                "the default (world) group, but this model's process group is another; "
+                "pass the model's process group as state"
+            )
+        self._set_comm_dtype(_HOOK_DTYPES[roles[hook]], name, who)
+
+    def register_builtin_comm_hook(self, kind: Any, who: str) -> None:
+        dtypes = {
+            dist.BuiltinCommHookType.ALLREDUCE: None,
+            dist.BuiltinCommHookType.FP16_COMPRESS: torch.float16,
+        }
+        if kind not in dtypes:
+            raise NotImplementedError(f"{who}: builtin comm hook {kind} is not supported")
+        self._set_comm_dtype(dtypes[kind], str(kind), who)
+
+    def _set_comm_dtype(self, dtype: torch.dtype | None, name: str, who: str) -> None:
+        state = self.state
+        if state.comm_hook is not None:
+            raise RuntimeError(
+                f"{who}: a comm hook ({state.comm_hook}) is already registered; torch DDP "
+                "takes one comm hook per model"
+            )
+        if state.comm_dtype is not None and dtype is not None and dtype != state.comm_dtype:
+            raise ValueError(
+                f"{who}: {name} reduces in {dtype} but the model was given comm_dtype "
+                f"{state.comm_dtype}"
+            )
+        if state.forwarded:
+            raise RuntimeError(
+                f"{who}: register the comm hook ({name}) before the model's first forward"
+            )
+        state.comm_hook = name
+        if dtype is not None:
+            state.comm_dtype = dtype
+            self.reducer.set_comm_dtype(dtype)
+
+
+@torch.no_grad()
+def _broadcast_buffers(buffers: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Every rank's ``buffers`` become the group's rank 0's: one
+    broadcast per (dtype, device), traceable (a functional collective in the forward
+    graph under torch.compile)."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for b in buffers:
+        by_kind.setdefault((b.dtype, b.device), []).append(_torch.local_tensor(b))
+    for same in by_kind.values():
+        flat = torch.cat([b.reshape(-1) for b in same])
+        flat = _torch.broadcast_traceable(flat, 0, group)
+        for b, part in zip(same, flat.split([b.numel() for b in same])):
+            b.copy_(part.view_as(b))
+
+
 class DistributedDataParallel(nn.Module):
     """Drop-in for :class:`torch.nn.parallel.DistributedDataParallel`.
 
     Same meaning for ``process_group`` (or ``device_mesh``, a 1-D data-parallel
-    sub-mesh), ``bucket_cap_mb``, ``bucket_cap_mb_list`` and ``find_unused_parameters``:
-    with ``ddp_fusion.config.enabled`` and ``torch.compile``, gradients are reduced in
-    the buckets eager DDP would build (after its first-iteration rebuild). Parameters
-    and buffers are broadcast from the group's rank 0 at construction. ``.module`` is
+    sub-mesh), ``bucket_cap_mb``, ``bucket_cap_mb_list``, ``find_unused_parameters`` and
+    ``broadcast_buffers``: with ``ddp_fusion.config.enabled`` and ``torch.compile``,
+    gradients are reduced in the buckets eager DDP would build (after its
+    first-iteration rebuild). Parameters and buffers are broadcast from the group's
+    rank 0 at construction, and buffers again at each forward that follows a forward
+    with gradient sync (``broadcast_buffers=True``, as torch DDP). ``.module`` is
     the wrapped module; ``no_sync()`` skips gradient reduction inside its block.
     Without ``torch.compile`` (or with the pass off) gradients go through an eager
     bucketed reducer with the same bucket limits, overlapping communication with the
@@ -241,6 +385,7 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         comm_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -255,10 +400,12 @@ class DistributedDataParallel(nn.Module):
                 f"process_group must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(process_group).__name__}"
             )
-        if not isinstance(find_unused_parameters, bool):
-            raise TypeError(
-                f"find_unused_parameters must be True or False, got {find_unused_parameters!r}"
-            )
+        for arg, flag in (
+            ("find_unused_parameters", find_unused_parameters),
+            ("broadcast_buffers", broadcast_buffers),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{arg} must be True or False, got {flag!r}")
         for arg, value in (("comm_dtype", comm_dtype), ("reduce_dtype", reduce_dtype)):
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise ValueError(f"{arg} must be a floating-point torch.dtype or None, got {value!r}")
@@ -279,6 +426,7 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.process_group = _default_group(process_group, "DistributedDataParallel")
         self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
         self.comm_dtype = comm_dtype or reduce_dtype
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_mb_list = None if bucket_cap_mb_list is None else list(bucket_cap_mb_list)
@@ -300,54 +448,41 @@ class DistributedDataParallel(nn.Module):
                 "put the module on one device per process"
             )
 
-        _check_not_hooked(params)
         verify_params_across_ranks(list(module.named_parameters()), self.process_group)
         _broadcast_from_rank0(
             [_torch.local_tensor(t.detach()) for t in (*module.parameters(), *module.buffers())],
             self.process_group,
         )
-        if any(_torch.is_dtensor(p) for _, p in params):
-            _install.need_dtensor_clone()
-        self._state = _SyncState()
-        self._key = next(_keys)
-        if find_unused_parameters:
-            # Eager DDP never rebuilds its buckets with this flag: they stay in reverse
-            # parameter order (the eager reducer's order too); nothing to learn.
-            self._state.ready_position = tuple(reversed(range(len(params))))
-            self._state.ready_learned = True
-        self.reducer = EagerReducer(
+        self._sync = GradSync(
+            self,
+            module,
             params,
             self.process_group,
             self.bucket_bytes_limits,
             self.comm_dtype,
             find_unused_parameters,
+            "DistributedDataParallel",
         )
-        group_name = self.process_group.group_name
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(
-                _make_hook(
-                    self._state, self.reducer, i, group_name, self.bucket_bytes_limits, n,
-                    self.comm_dtype, _owner_id(params, group_name),
-                )
-            )
-            for i, (n, p) in enumerate(params)
-        ]
-        me = weakref.ref(self)
-        for _, p in params:
-            _owners[p] = me
-        self._params = params
-        _wrappers[self._key] = me
         # Hooks hold no reference to the wrapper; once it is garbage, they go with it,
         # and the bare module trains locally again.
-        weakref.finalize(self, _release, self._hook_handles, [p for _, p in params], self._key)
+        self._state = self._sync.state
+        self.reducer = self._sync.reducer
+        self._params = params
 
     @property
     def require_backward_grad_sync(self) -> bool:
         return self._state.require_backward_grad_sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        _torch.call_with_example_inputs(_learn_ready_order, self._key, args, kwargs)
+        buffers = list(self.module.buffers()) if self.broadcast_buffers else None
+        self._sync.before_forward(args, kwargs, buffers)
         return self.module(*args, **kwargs)
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """torch DDP's ``register_comm_hook``, for torch's ``allreduce_hook``,
+        ``fp16_compress_hook`` and ``bf16_compress_hook`` (the fused buckets are then
+        all-reduced in that dtype); call it before the first forward."""
+        self._sync.register_comm_hook(state, hook, "DistributedDataParallel")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

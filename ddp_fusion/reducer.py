@@ -65,6 +65,11 @@ class EagerReducer:
         self._build(list(reversed(range(len(self.params)))))
         self._backward_id: int | None = None
 
+    def set_comm_dtype(self, dtype: torch.dtype) -> None:
+        """A comm hook registered before the first backward: reduce in ``dtype``."""
+        self.comm_dtype = dtype
+        self._build(list(reversed(range(len(self.params)))))
+
     # -- bucket assignment ---------------------------------------------------------
     def _build(self, order: list[int]) -> None:
         """DDP's rule over ``order``: per (dtype, device), close a bucket once its bytes

@@ -1,0 +1,130 @@
+"""Stock ``torch.nn.parallel.DistributedDataParallel`` under the flag.
+
+Lightning, Accelerate and most torchrun scripts build torch's own DDP. While
+``config.enabled`` is on, every torch DDP constructed is *adopted* right after torch's
+constructor has run (its checks, the parameter broadcast, its C++ reducer):
+
+* the C++ reducer is taken out of the gradients' path (its autograd hooks removed;
+  compiled autograd cannot run them) and forward takes the path torch takes for its
+  own python reducer, so DDPOptimizer never splits the graph;
+* the parameters get ddp_fusion's per-parameter hooks (``ddp.GradSync``), with this
+  DDP's process group, ``bucket_cap_mb`` / ``bucket_cap_mb_list`` and
+  ``find_unused_parameters``; the pass fuses them as it fuses the wrapper's;
+* each forward does what eager DDP's does around the module: move inputs to
+  ``device_ids``, read ``require_backward_grad_sync`` (``no_sync()``; decided at
+  forward, as eager DDP), learn the ready order once, broadcast buffers
+  (``broadcast_buffers``);
+* ``register_comm_hook`` maps torch's allreduce / fp16 / bf16 compress hooks onto the
+  fused buckets' communication dtype and refuses other hooks; ``join()`` is refused.
+
+The instance's class becomes a subclass of its own (same name; ``isinstance`` holds),
+whose few overrides are in ``_torch.adopted_ddp_class``. A DDP adopted stays adopted
+when the flag goes off (its hooks then go through the eager bucketed reducer). A torch
+DDP constructed while the flag was off keeps torch's C++ reducer; its forward with the
+flag on raises (``_install._refuse_cpp_reducer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from . import _torch
+from .ddp import GradSync
+from .passes.bucketing import ddp_bucket_limits
+
+WHO = "torch.nn.parallel.DistributedDataParallel (ddp_fusion)"
+
+
+def refuse_arguments(arguments: dict[str, Any]) -> None:
+    """Before torch's constructor: what ddp_fusion cannot honour, refused by name."""
+    if _torch.dynamo_optimize_ddp_mode() == "python_reducer":
+        raise ValueError(
+            "torch._dynamo.config.optimize_ddp is 'python_reducer' (upstream's compiled "
+            "DDP) and ddp_fusion.config.enabled is on: both would reduce this model's "
+            "gradients. ddp_fusion replaces the python reducer; leave optimize_ddp at its "
+            "default"
+        )
+    for name in ("mixed_precision", "delay_all_reduce_named_params", "param_to_hook_all_reduce"):
+        if arguments.get(name) is not None:
+            raise NotImplementedError(
+                f"{WHO}: {name} is not supported with ddp_fusion.config.enabled; turn the "
+                "flag off before wrapping this model to use torch's eager reducer"
+            )
+    if arguments.get("skip_all_reduce_unused_params"):
+        raise NotImplementedError(
+            f"{WHO}: skip_all_reduce_unused_params is not supported with "
+            "ddp_fusion.config.enabled"
+        )
+
+
+def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -> None:
+    """Right after torch's constructor: reduce ``ddp``'s gradients with ddp_fusion."""
+    ignored = _torch.stock_ddp_ignored_names(ddp)
+    module = ddp.module
+    params = [
+        (n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored
+    ]
+    for mod_name, mod in module.named_modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
+            raise NotImplementedError(
+                f"{WHO}: module {mod_name or '(root)'!r} is an embedding with sparse=True; "
+                "sparse gradients are not supported with ddp_fusion.config.enabled"
+            )
+    if not params:
+        return  # torch DDP has already refused this; nothing to reduce
+    limits = ddp_bucket_limits(arguments.get("bucket_cap_mb"), arguments.get("bucket_cap_mb_list"))
+    sync = GradSync(
+        ddp,
+        module,
+        params,
+        ddp.process_group,
+        limits,
+        None,
+        bool(arguments.get("find_unused_parameters")),
+        WHO,
+    )
+    _torch.detach_cpp_reducer(ddp)
+    ddp._ddp_fusion = sync
+    ddp.__class__ = _torch.adopted_ddp_class(type(ddp), _BEHAVIOUR)
+
+
+def adopted(ddp: Any) -> GradSync | None:
+    return getattr(ddp, "_ddp_fusion", None)
+
+
+class _Behaviour(_torch.AdoptedDDPBehaviour):
+    def pre_forward(self, ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _torch.stock_ddp_has_buffer_comm_hook(ddp):
+            raise NotImplementedError(
+                f"{WHO}: register_buffer_comm_hook is not supported with ddp_fusion"
+            )
+        inputs, kwargs = _torch.stock_ddp_move_inputs(ddp, inputs, kwargs)
+        sync: GradSync = ddp._ddp_fusion
+        # Eager DDP decides at forward whether this forward's backward reduces.
+        sync.state.require_backward_grad_sync = ddp.require_backward_grad_sync
+        buffers = None
+        if ddp.broadcast_buffers:
+            ignored = _torch.stock_ddp_ignored_names(ddp)
+            buffers = [b for n, b in ddp.module.named_buffers() if n not in ignored]
+        sync.before_forward(inputs, kwargs, buffers)
+        return inputs, kwargs
+
+    def register_comm_hook(self, ddp: Any, state: Any, hook: Any) -> None:
+        ddp._ddp_fusion.register_comm_hook(state, hook, WHO)
+
+    def register_builtin_comm_hook(self, ddp: Any, kind: Any) -> None:
+        ddp._ddp_fusion.register_builtin_comm_hook(kind, WHO)
+
+    def join_hook(self, ddp: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{WHO}: join() (uneven inputs) is not supported with ddp_fusion yet; give "
+            "every rank the same number of batches, or turn ddp_fusion.config.enabled off "
+            "before wrapping this model"
+        )
+
+
+_BEHAVIOUR = _Behaviour()
+
+__all__ = ["adopt", "adopted", "refuse_arguments"]

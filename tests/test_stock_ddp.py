@@ -1,0 +1,122 @@
+"""Stock ``torch.nn.parallel.DistributedDataParallel`` under the flag (issue 13), one
+process with the fake group: adoption, the compiled backward it produces, and every
+refusal. Training against eager DDP is in test_stock_ddp_gloo.py."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+import ddp_fusion
+from ddp_fusion import _install, _torch
+
+DDP = nn.parallel.DistributedDataParallel
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+@pytest.fixture
+def enabled(fake_pg):
+    with ddp_fusion.config.patch(enabled=True):
+        yield
+
+
+def test_torch_ddp_built_with_the_flag_is_fused_in_one_compiled_backward(fake_pg, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the pass must run
+    torch._dynamo.reset()  # before enabling: a reset also resets compiled autograd
+    counters = _torch.counters()
+    counters.clear()
+    with ddp_fusion.config.patch(enabled=True):
+        ddp = DDP(_net(), bucket_cap_mb=1e-4)  # 100 bytes: see the bucket count below
+        assert isinstance(ddp, DDP) and type(ddp).__name__ == "DistributedDataParallel"
+        model = torch.compile(ddp)
+        model(torch.randn(4, 8)).sum().backward()
+    fused = counters["ddp_fusion"]
+    assert fused["graphs"] == 1 and fused["fused_all_reduces"] == 4, dict(fused)
+    # ready order 2.bias (16 B), 2.weight (128 B) | 0.bias (32 B), 0.weight (256 B):
+    # DDP closes a bucket once it reaches the 105-byte cap
+    assert fused["buckets"] == 2, dict(fused)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert not [k for k in fused if k.startswith("unfused")], dict(fused)
+    assert counters["stats"]["unique_graphs"] == 2  # one forward, one backward graph
+
+
+def test_the_compiled_backward_keeps_upstreams_ddp_fusion_pass_off(enabled):
+    """torch DDP under optimize_ddp="python_reducer" turns upstream's pass on
+    process-wide; a graph ddp_fusion fuses must not also get it."""
+    gm = torch.fx.symbolic_trace(lambda g: torch.ops.ddp_fusion.all_reduce_gradient(
+        g, "0", "avg", [1], "w", None, -1, 0))
+    assert _install._patches_for(gm).get("_fuse_ddp_communication") is False
+    plain = torch.fx.symbolic_trace(lambda g: g * 2)
+    assert "_fuse_ddp_communication" not in _install._patches_for(plain)
+
+
+def test_torch_ddp_built_before_the_flag_keeps_torchs_reducer(fake_pg):
+    ddp = DDP(_net())
+    assert not hasattr(ddp, "_ddp_fusion")
+    assert type(ddp) is DDP
+
+
+def test_an_adopted_model_trains_with_the_eager_reducer_once_the_flag_is_off(fake_pg):
+    with ddp_fusion.config.patch(enabled=True):
+        ddp = DDP(_net())
+    ddp(torch.randn(4, 8)).sum().backward()  # no compiled autograd now: eager reducer
+    assert all(p.grad is not None for p in ddp.parameters())
+
+
+def test_register_comm_hook_maps_torchs_compress_hooks_to_a_comm_dtype(enabled):
+    ddp = DDP(_net())
+    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    assert ddp._ddp_fusion.state.comm_dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="already registered"):
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    other = DDP(_net())
+    other._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    assert other._ddp_fusion.state.comm_dtype == torch.float16
+
+
+def test_register_comm_hook_refuses_what_it_cannot_honour(enabled):
+    ddp = DDP(_net())
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+    with pytest.raises(NotImplementedError, match=r"powerSGD_hook is not supported.*"
+                                                  r"fp16_compress_hook.*Turn ddp_fusion"):
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    sub = dist.new_group([0, 1])
+    with pytest.raises(ValueError, match=r"state must be None or the model's own process group"):
+        ddp.register_comm_hook(sub, default_hooks.fp16_compress_hook)
+    on_sub = DDP(_net(), process_group=sub)
+    with pytest.raises(ValueError, match=r"state=None.*world.*pass the model's process group"):
+        on_sub.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    on_sub.register_comm_hook(sub, default_hooks.fp16_compress_hook)  # its own group: fine
+    ddp(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="before the model's first forward"):
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+
+
+def test_refusals_name_the_setting(enabled):
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    with pytest.raises(NotImplementedError, match="mixed_precision is not supported"):
+        DDP(_net(), mixed_precision=_MixedPrecision(param_dtype=torch.float16))
+    emb = nn.Sequential(nn.Embedding(10, 4, sparse=True))
+    with pytest.raises(NotImplementedError, match=r"module '0' is an embedding with sparse=True"):
+        DDP(emb)
+    with pytest.raises(NotImplementedError, match=r"join\(\) \(uneven inputs\) is not supported"):
+        with DDP(_net()).join():
+            pass
+    net = _net()
+    ours = ddp_fusion.DistributedDataParallel(net)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' already carries the gradient hooks"):
+        DDP(net)
+    del ours
+
+
+def test_upstreams_python_reducer_and_the_flag_refuse_each_other(enabled):
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        with pytest.raises(ValueError, match="optimize_ddp is 'python_reducer'.*ddp_fusion replaces"):
+            DDP(_net())
+    assert not _torch.inductor_config()._fuse_ddp_communication  # refused before torch ran
