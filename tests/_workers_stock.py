@@ -12,24 +12,11 @@ import ddp_fusion
 from ddp_fusion import _torch
 
 from _workers import count_all_reduces, mlp
+from _workers import train as _train
 
 
 def _max_diff(a, b):
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
-
-
-def _train(model, batches, opt=None, lr=0.05):
-    """SGD steps; returns the all-reduce count of the last one."""
-    opt = opt or torch.optim.SGD(model.parameters(), lr=lr)
-
-    def step(x):
-        opt.zero_grad(set_to_none=False)
-        model(x).square().mean().backward()
-        opt.step()
-
-    for x in batches[:-1]:
-        step(x)
-    return count_all_reduces(lambda: step(batches[-1]))
 
 
 class BNNet(nn.Module):
