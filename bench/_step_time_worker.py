@@ -28,6 +28,7 @@ from torch import nn
 from torch.profiler import profile
 
 import ddp_fusion
+from bench import _hf_models
 from bench._tp import TPBlock
 
 # --------------------------------------------------------------------------- models
@@ -110,6 +111,12 @@ MODELS: dict[str, dict[str, Any]] = {
                        "W2 by columns over TP), batch 64 per DP rank",
                "batch": 64, "width": 256, "world_size": 4, "tp": 2},
 }
+# transformers models built from configs (bench/_hf_models.py), as ``hf_<name>``
+for _name, _spec in _hf_models.MODELS.items():
+    MODELS[f"hf_{_name}"] = {
+        "desc": f"transformers {_spec.desc}, batch {_hf_models.BATCH}", "world_size": 2, "tp": 1,
+        "hf": _name, "ddp_kwargs": {"find_unused_parameters": _spec.find_unused_parameters},
+    }
 
 
 def dp_tp_groups(name: str) -> tuple[Any, Any]:
@@ -125,6 +132,8 @@ def dp_tp_groups(name: str) -> tuple[Any, Any]:
 
 
 def make_model(name: str, tp_group: Any = None) -> nn.Module:
+    if "hf" in MODELS[name]:
+        return _hf_models.build(MODELS[name]["hf"])
     torch.manual_seed(0)
     if name == "mlp_tp":
         return TPMLP(tp_group)
@@ -136,6 +145,8 @@ def make_batches(name: str, rank: int, count: int) -> list[tuple[torch.Tensor, t
     the same for every mode."""
     spec = MODELS[name]
     gen = torch.Generator().manual_seed(1000 + rank // spec["tp"])
+    if "hf" in spec:  # (batch dict, None): the loss comes from _hf_models.loss_of
+        return [(_hf_models.MODELS[spec["hf"]].batch(gen), None) for _ in range(count)]
     out = []
     for _ in range(count):
         if name in ("mlp", "mlp_tp"):
@@ -200,8 +211,9 @@ class Mode:
     def context(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
-    def wrap(self, model: nn.Module, cap: float | None, pg: Any = None) -> nn.Module:
-        """``model`` wrapped for data parallelism over ``pg`` (None: the world)."""
+    def wrap(self, model: nn.Module, cap: float | None, pg: Any = None, **kw: Any) -> nn.Module:
+        """``model`` wrapped for data parallelism over ``pg`` (None: the world); ``kw``:
+        the model's DDP arguments (``find_unused_parameters``)."""
         raise NotImplementedError
 
 
@@ -209,8 +221,8 @@ class EagerDDP(Mode):
     name = "eager_ddp"
     compiled = False
 
-    def wrap(self, model, cap, pg=None):
-        return nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap)
+    def wrap(self, model, cap, pg=None, **kw):
+        return nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, **kw)
 
 
 class DDPOptimizer(Mode):
@@ -222,8 +234,8 @@ class DDPOptimizer(Mode):
         stack.enter_context(torch._inductor.config.patch(_inductor_defaults()))
         return stack
 
-    def wrap(self, model, cap, pg=None):
-        return torch.compile(nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap))
+    def wrap(self, model, cap, pg=None, **kw):
+        return torch.compile(nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, **kw))
 
 
 class UpstreamPythonReducer(Mode):
@@ -242,8 +254,8 @@ class UpstreamPythonReducer(Mode):
         stack.enter_context(_compiled_autograd())
         return stack
 
-    def wrap(self, model, cap, pg=None):
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap)
+    def wrap(self, model, cap, pg=None, **kw):
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, **kw)
         # DDP's constructor turns upstream's fusion on (and sets its bucket size) as a
         # global side effect; re-assert this mode's choice (restored by the patch).
         torch._inductor.config._fuse_ddp_communication = self.inductor.get(
@@ -276,10 +288,23 @@ class DDPFusion(Mode):
                 ddp_fusion._torch, "inductor_options_keeping_node_order", dict))
         return stack
 
-    def wrap(self, model, cap, pg=None):
+    def wrap(self, model, cap, pg=None, **kw):
         return torch.compile(
-            ddp_fusion.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, comm_dtype=self.comm_dtype)
+            ddp_fusion.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, comm_dtype=self.comm_dtype, **kw)
         )
+
+
+class DDPFusionStock(Mode):
+    """Stock torch DDP built with ddp_fusion on, then torch.compile: what a torchrun,
+    Accelerate or Lightning user gets from the flag alone."""
+
+    name = "ddp_fusion_stock"
+
+    def context(self):
+        return ddp_fusion.config.patch(enabled=True, algorithm="concat")
+
+    def wrap(self, model, cap, pg=None, **kw):
+        return torch.compile(nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, **kw))
 
 
 class DDPFusionUncompiled(Mode):
@@ -291,8 +316,8 @@ class DDPFusionUncompiled(Mode):
     def context(self):
         return ddp_fusion.config.patch(enabled=False)
 
-    def wrap(self, model, cap, pg=None):
-        return ddp_fusion.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap)
+    def wrap(self, model, cap, pg=None, **kw):
+        return ddp_fusion.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, **kw)
 
 
 class EagerDDPFp16Hook(Mode):
@@ -300,10 +325,10 @@ class EagerDDPFp16Hook(Mode):
     compiled = False
     comm = False
 
-    def wrap(self, model, cap, pg=None):
+    def wrap(self, model, cap, pg=None, **kw):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap)
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, **kw)
         ddp.register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
         return ddp
 
@@ -312,7 +337,7 @@ class ComputeOnly(Mode):
     name = "compute_only"
     comm = False
 
-    def wrap(self, model, cap, pg=None):
+    def wrap(self, model, cap, pg=None, **kw):
         return torch.compile(model)
 
 
@@ -340,6 +365,7 @@ def all_modes() -> dict[str, Mode]:
         DDPFusion("concat"),
         DDPFusion("coalesced"),
         DDPFusion("concat", peak_memory_reorder=True),
+        DDPFusionStock(),
         DDPFusionUncompiled(),
         EagerDDPFp16Hook(),
         DDPFusion("concat", torch.float16),
@@ -491,19 +517,27 @@ def _build(model_name: str, mode: Mode, cap: float | None, batches: list, device
         numel = sum(p.numel() for p in make_model(model_name, tp).parameters())
         flat = torch.randn(numel, device=device)
         return (lambda: dist.all_reduce(flat, group=dp)), None
-    model = mode.wrap(make_model(model_name, tp).to(device), cap, dp)
+    spec = MODELS[model_name]
+    model = mode.wrap(make_model(model_name, tp).to(device), cap, dp, **spec.get("ddp_kwargs", {}))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    batches = [(_to(x, device), _to(y, device)) for x, y in batches]
     count = [0]
 
     def step() -> None:
         x, y = batches[count[0] % len(batches)]
         count[0] += 1
         opt.zero_grad(set_to_none=False)
-        loss_fn(model_name, model(x), y).backward()
+        loss = _hf_models.loss_of(model, x) if "hf" in spec else loss_fn(model_name, model(x), y)
+        loss.backward()
         opt.step()
 
     return step, model
+
+
+def _to(x: Any, device: str) -> Any:
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,

@@ -38,6 +38,8 @@ run each mode's parameters are compared with eager DDP's (same data, same steps)
     python -m bench.step_time --model mlp --modes eager_ddp,ddp_fusion_concat
     python -m bench.step_time --sweep 1,5,25   # eager + ddp_fusion over bucket caps, PNG
     python -m bench.step_time --model mlp_tp   # DP=2 x TP=2 on 4 gloo ranks
+    python -m bench.step_time --model hf --modes eager_ddp,ddp_optimizer,upstream_python_reducer_concat,ddp_fusion_stock
+                                               # transformers models (GPT-2, BERT, Llama, ViT, ResNet)
     python -m bench.step_time --device cuda    # one GPU: world size 1, NCCL
 
 On one GPU, world size 1 measures what fusion costs or saves in kernels and copies, not
@@ -375,8 +377,10 @@ def _plot_sweep(jobs: dict[str, dict[str, Any]], models: list[str], caps: list[f
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.step_time",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("mlp", "gpt", "mlp_tp", "all"), default="all",
-                        help="all = mlp and gpt (2 ranks); mlp_tp = DP=2 x TP=2 on 4 gloo ranks")
+    hf = [m for m in MODELS if m.startswith("hf_")]
+    parser.add_argument("--model", choices=("mlp", "gpt", "mlp_tp", "all", "hf", *hf), default="all",
+                        help="all = mlp and gpt (2 ranks); mlp_tp = DP=2 x TP=2 on 4 gloo ranks; "
+                             f"hf = every transformers model ({', '.join(hf)}; bench/_hf_models.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one GPU, world size 1 with NCCL (measures fusion overhead, "
                              "not communication)")
@@ -405,7 +409,7 @@ def main() -> None:
 
     rounds = args.rounds or (2 if args.quick else 10)
     steps = args.steps or 5
-    models = ["mlp", "gpt"] if args.model == "all" else [args.model]
+    models = {"all": ["mlp", "gpt"], "hf": hf}.get(args.model, [args.model])
     sizes = {world_size(m, args.device) for m in models}
     known = list(all_modes())
     if args.sweep:

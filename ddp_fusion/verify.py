@@ -67,7 +67,7 @@ def plan_check_start(group_name: str, plan: str, device: torch.device) -> torch.
     if _needs_exchange(group):
         mine = torch.full((1,), _plan_hash(plan), dtype=torch.int64, device=device)
         everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
-        work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
+        work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
         _pending[group_name, plan] = (work, everyone, mine)
     return torch.zeros((), dtype=torch.float32, device=device)
 
