@@ -307,6 +307,12 @@ def broadcast_traceable(tensor: torch.Tensor, src: int, group: dist.ProcessGroup
     return funcol.wait_tensor(funcol.broadcast(tensor, src, group))
 
 
+def join_enabled(joinable: Any) -> bool:
+    """Whether ``joinable`` is in an enabled join context (torch's ``Join`` sets its
+    ``_join_config``; it stays set after the context, as for torch DDP)."""
+    return joinable is not None and joinable._join_config.enable
+
+
 def stock_ddp_comm_hooks() -> dict[str, Any]:
     """torch's own DDP comm hooks that ddp_fusion maps onto fused buckets, by role."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -34,9 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _install, _torch, ready_order
+from . import join as _join
 from .config import config
 from .ops import ALL_REDUCE_GRADIENT, REDUCE_OPS
 from .passes.bucketing import ddp_bucket_limits
@@ -101,6 +103,8 @@ class _SyncState:
         self.forward_param_sync = True
         self.forwarded = False
         self.comm_hook: str | None = None
+        # join(divide_by_initial_world_size=...) of the current join context (join.py)
+        self.join_divide_by_initial = True
 
 
 def _make_hook(
@@ -249,6 +253,10 @@ class GradSync:
         self.names = [n for n, _ in params]
         self.group = group
         self.group_size = group.size()
+        self.device = _torch.local_tensor(params[0][1].detach()).device
+        # the owner's buffers to broadcast (None: broadcast_buffers off), for a joined
+        # rank's shadow of the buffer broadcast (join.py); set by the owner
+        self.buffers_of: Any = lambda: None
         self.state = _SyncState(comm_dtype)
         self.key = next(_keys)
         if find_unused_parameters:
@@ -270,19 +278,30 @@ class GradSync:
         _syncs[self.key] = weakref.ref(self)
         weakref.finalize(owner, _release, self.handles, [p for _, p in params], self.key)
 
-    def before_forward(self, args: Any, kwargs: Any, buffers: list[torch.Tensor] | None) -> None:
+    def before_forward(
+        self, args: Any, kwargs: Any, buffers: list[torch.Tensor] | None, joinable: Any
+    ) -> None:
         """At the start of each forward (eager or traced). ``buffers``: the module
-        buffers to broadcast from the group's rank 0 (None: ``broadcast_buffers`` off)."""
+        buffers to broadcast from the group's rank 0 (None: ``broadcast_buffers`` off).
+        ``joinable``: the model, whose join context (if one is enabled) makes this
+        forward run join.py's prelude, eagerly."""
         state = self.state
         state.forwarded = True
         _torch.call_with_example_inputs(_learn_ready_order, self.key, args, kwargs)
+        joining = _torch.join_enabled(joinable)
+        if joining:
+            _join.prelude(self, joinable, buffers)
         # As eager DDP: sync buffers at a forward that follows a forward whose backward
         # reduces gradients (and at the first one). Only a model with buffers reads
         # these flags (a compiled forward guards on what it reads).
-        if buffers:
-            if state.forward_param_sync and self.group_size > 1:
-                _broadcast_buffers(buffers, self.group)
+        elif buffers and state.forward_param_sync and self.group_size > 1:
+            _broadcast_buffers(buffers, self.group)
+        if buffers or joining:
             state.forward_param_sync = torch.is_grad_enabled() and state.require_backward_grad_sync
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """The joined rank's side of ``join()`` (join.py)."""
+        return _join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     def register_comm_hook(self, hook_state: object, hook: Any, who: str) -> None:
         """torch DDP's ``register_comm_hook`` for the hooks that are a communication
@@ -357,7 +376,7 @@ def _broadcast_buffers(buffers: list[torch.Tensor], group: dist.ProcessGroup) ->
             b.copy_(part.view_as(b))
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Drop-in for :class:`torch.nn.parallel.DistributedDataParallel`.
 
     Same meaning for ``process_group`` (or ``device_mesh``, a 1-D data-parallel
@@ -388,6 +407,7 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
@@ -468,15 +488,46 @@ class DistributedDataParallel(nn.Module):
         self._state = self._sync.state
         self.reducer = self._sync.reducer
         self._params = params
+        me_ = weakref.ref(self)
+        self._sync.buffers_of = lambda: _wrapper_buffers(me_())
 
     @property
     def require_backward_grad_sync(self) -> bool:
         return self._state.require_backward_grad_sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        buffers = list(self.module.buffers()) if self.broadcast_buffers else None
-        self._sync.before_forward(args, kwargs, buffers)
+        self._sync.before_forward(args, kwargs, _wrapper_buffers(self), self)
         return self.module(*args, **kwargs)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """torch DDP's ``join()``: a context manager for ranks with different numbers
+        of batches. A rank that runs out shadows the others' collectives (compiled or
+        not) until all have; then every rank takes the last one's parameters.
+        ``divide_by_initial_world_size=False`` averages over the ranks still training.
+        Composes with other joinables through ``torch.distributed.algorithms.join.Join``
+        (this model first)."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        return self._sync.join_hook(**kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._sync.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """torch DDP's ``register_comm_hook``, for torch's ``allreduce_hook``,
@@ -494,6 +545,12 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._state.require_backward_grad_sync = previous
+
+
+def _wrapper_buffers(wrapper: DistributedDataParallel | None) -> list[torch.Tensor] | None:
+    if wrapper is None or not wrapper.broadcast_buffers:
+        return None
+    return list(wrapper.module.buffers())
 
 
 def _default_group(group: dist.ProcessGroup | None, who: str) -> dist.ProcessGroup:

@@ -32,7 +32,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from . import _torch
+from . import _torch, verify
 
 
 @dataclasses.dataclass
@@ -130,7 +130,7 @@ class EagerReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
-            bucket.buffer.div_(self.group.size())
+            bucket.buffer.div_(verify.divisor(self.group))
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             self._next += 1
 
@@ -168,6 +168,25 @@ class EagerReducer:
                 f"{names}{' ...' if len(missing) > 20 else ''}. Pass "
                 "find_unused_parameters=True if some parameters are not used in every step"
             )
+
+    def shadow(self) -> None:
+        """A joined rank's part of one uncompiled backward of the active ranks (join.py):
+        each bucket's all-reduce, in order, with zeros; then, with
+        ``find_unused_parameters``, the used-parameter bitmap's."""
+        if not self.rebuilt and not self.find_unused_parameters:
+            raise RuntimeError(
+                "join(): this rank joined before its first synchronized backward, in "
+                "which the uncompiled reducer settles its buckets with the other ranks; "
+                "give every rank at least one batch"
+            )
+        works = [
+            dist.all_reduce(torch.zeros_like(b.buffer), group=self.group, async_op=True)
+            for b in self.buckets
+        ]
+        if self.find_unused_parameters:
+            dist.all_reduce(torch.zeros(len(self.params), dtype=torch.int32), group=self.group)
+        for work in works:
+            work.wait()
 
     def _unready(self, bucket: _Bucket):
         return [

@@ -15,7 +15,8 @@ constructor has run (its checks, the parameter broadcast, its C++ reducer):
   forward, as eager DDP), learn the ready order once, broadcast buffers
   (``broadcast_buffers``);
 * ``register_comm_hook`` maps torch's allreduce / fp16 / bf16 compress hooks onto the
-  fused buckets' communication dtype and refuses other hooks; ``join()`` is refused.
+  fused buckets' communication dtype and refuses other hooks; ``join()`` shadows the
+  fused buckets (join.py).
 
 The instance's class becomes a subclass of its own (same name; ``isinstance`` holds),
 whose few overrides are in ``_torch.adopted_ddp_class``. A DDP adopted stays adopted
@@ -26,6 +27,7 @@ flag on raises (``_install._refuse_cpp_reducer``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch import nn
@@ -87,6 +89,8 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
     )
     _torch.detach_cpp_reducer(ddp)
     ddp._ddp_fusion = sync
+    me = weakref.ref(ddp)
+    sync.buffers_of = lambda: _buffers(me())
     ddp.__class__ = _torch.adopted_ddp_class(type(ddp), _BEHAVIOUR)
 
 
@@ -104,11 +108,7 @@ class _Behaviour(_torch.AdoptedDDPBehaviour):
         sync: GradSync = ddp._ddp_fusion
         # Eager DDP decides at forward whether this forward's backward reduces.
         sync.state.require_backward_grad_sync = ddp.require_backward_grad_sync
-        buffers = None
-        if ddp.broadcast_buffers:
-            ignored = _torch.stock_ddp_ignored_names(ddp)
-            buffers = [b for n, b in ddp.module.named_buffers() if n not in ignored]
-        sync.before_forward(inputs, kwargs, buffers)
+        sync.before_forward(inputs, kwargs, _buffers(ddp), ddp)
         return inputs, kwargs
 
     def register_comm_hook(self, ddp: Any, state: Any, hook: Any) -> None:
@@ -118,11 +118,15 @@ class _Behaviour(_torch.AdoptedDDPBehaviour):
         ddp._ddp_fusion.register_builtin_comm_hook(kind, WHO)
 
     def join_hook(self, ddp: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"{WHO}: join() (uneven inputs) is not supported with ddp_fusion yet; give "
-            "every rank the same number of batches, or turn ddp_fusion.config.enabled off "
-            "before wrapping this model"
-        )
+        return ddp._ddp_fusion.join_hook(**kwargs)
+
+
+def _buffers(ddp: Any) -> list | None:
+    """The buffers torch DDP broadcasts at a forward (None: broadcast_buffers off)."""
+    if ddp is None or not ddp.broadcast_buffers:
+        return None
+    ignored = _torch.stock_ddp_ignored_names(ddp)
+    return [b for n, b in ddp.module.named_buffers() if n not in ignored]
 
 
 _BEHAVIOUR = _Behaviour()

@@ -44,6 +44,23 @@ class PlanMismatchError(RuntimeError):
 
 _plan_hashes: dict[str, int] = {}
 _reported: set[tuple[str, str]] = set()
+_published: set[str] = set()
+#: What a joined rank sends in the plan check: "I shadow whatever plan you run"
+#: (join.py). No plan hashes to it.
+JOINED = 0
+# group name -> divisor of the group's "avg" buckets, while a join context sets it
+_divisors: dict[str, int] = {}
+
+
+def divisor(group: dist.ProcessGroup) -> int:
+    """What an ``avg`` bucket of ``group`` is divided by in this step: the group size,
+    or under ``join(divide_by_initial_world_size=False)`` the number of ranks still
+    training (join.py)."""
+    return _divisors.get(group.group_name, group.size())
+
+
+def set_divisor(group: dist.ProcessGroup, value: int) -> None:
+    _divisors[group.group_name] = value
 # (group name, plan) -> the plan check in flight: (work, everyone's hashes, this rank's)
 _pending: dict[tuple[str, str], tuple[dist.Work, torch.Tensor, torch.Tensor]] = {}
 
@@ -65,6 +82,7 @@ def plan_check_start(group_name: str, plan: str, device: torch.device) -> torch.
     a token for :func:`plan_guard`, which finishes the check."""
     group = _group(group_name)
     if _needs_exchange(group):
+        _publish(plan)
         mine = torch.full((1,), _plan_hash(plan), dtype=torch.int64, device=device)
         everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
         work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
@@ -92,10 +110,10 @@ def plan_guard(
     if pending is not None:
         work, everyone, mine = pending
         work.wait()
-        if not bool((everyone == mine).all()):
+        if not bool((everyone[everyone != JOINED] == mine).all()):
             raise PlanMismatchError(_describe_mismatch(group_name, _plans_of(everyone, plan)))
-    divisor = group.size() if reduce_op == "avg" else 1
-    return torch.full((), divisor, dtype=torch.float32, device=device)
+    scale = divisor(group) if reduce_op == "avg" else 1
+    return torch.full((), scale, dtype=torch.float32, device=device)
 
 
 @plan_guard.register_fake
@@ -115,8 +133,50 @@ def _plan_hash(plan: str) -> int:
     h = _plan_hashes.get(plan)
     if h is None:
         digest = hashlib.blake2b(plan.encode(), digest_size=8).digest()
-        h = _plan_hashes[plan] = int.from_bytes(digest, "little", signed=True)
+        h = int.from_bytes(digest, "little", signed=True)
+        h = _plan_hashes[plan] = h if h != JOINED else 1
     return h
+
+
+def _publish(plan: str) -> None:
+    """Put a plan in the store under its hash, once per process: a joined rank (or a
+    mismatch report) reads it from there."""
+    if plan not in _published:
+        _torch.default_store().set(f"ddp_fusion/plan/{_plan_hash(plan)}", plan)
+        _published.add(plan)
+
+
+def shadow_plan(group: dist.ProcessGroup, device: torch.device) -> None:
+    """A joined rank's part of one fused backward of ``group``'s active ranks (join.py):
+    the plan check's all-gather, sending :data:`JOINED`, which brings the active ranks'
+    plan hash; then that plan's buckets, all-reduced as zeros in the same order, sizes
+    and dtypes, with the same collective (``concat``: one flat all-reduce per bucket;
+    ``coalesced``: one coalesced all-reduce of the bucket's gradients)."""
+    everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
+    mine = torch.full((1,), JOINED, dtype=torch.int64, device=device)
+    dist.all_gather_single(everyone, mine, group=group)
+    hashes = sorted({h for h in everyone.tolist() if h != JOINED})
+    if len(hashes) != 1:  # the active ranks raise PlanMismatchError at the same step
+        raise PlanMismatchError(
+            f"ddp_fusion: join(): the active ranks of process group {group.group_name!r} "
+            f"run {len(hashes)} different bucket plans; this joined rank cannot shadow them"
+        )
+    store = _torch.default_store()
+    buckets = json.loads(store.get(f"ddp_fusion/plan/{hashes[0]}").decode())
+    funcol = _torch.c10d_functional
+    for b in buckets:
+        dtype = _DTYPES[b.get("comm_dtype", b["dtype"])]
+        if b["algorithm"] == "coalesced":
+            zeros = [torch.zeros(n, dtype=dtype, device=device) for n in b["numels"]]
+            for t in funcol.all_reduce_coalesced(zeros, "sum", group.group_name):
+                funcol.wait_tensor(t)
+        else:
+            flat = torch.zeros(sum(b["numels"]), dtype=dtype, device=device)
+            funcol.wait_tensor(funcol.all_reduce(flat, "sum", group.group_name))
+
+
+_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                               torch.complex64, torch.complex128)}
 
 
 def _report_plan(group_name: str, plan: str) -> None:
@@ -138,10 +198,9 @@ def _plans_of(hashes: torch.Tensor, plan: str) -> list[str]:
     """Every rank's plan, by its hash, through the store: no collective, so ranks whose
     graphs differ cannot block each other in different exchanges (several groups)."""
     store = _torch.default_store()
-    mine = _plan_hash(plan)
-    store.set(f"ddp_fusion/plan/{mine}", plan)
-    by_hash = {h: store.get(f"ddp_fusion/plan/{h}").decode() for h in set(hashes.tolist())}
-    return [by_hash[h] for h in hashes.tolist()]
+    _publish(plan)
+    by_hash = {h: store.get(f"ddp_fusion/plan/{h}").decode() for h in set(hashes.tolist()) if h != JOINED}
+    return [by_hash.get(h, "") for h in hashes.tolist()]
 
 
 def _describe_mismatch(group_name: str, plans: Sequence[str | None]) -> str:

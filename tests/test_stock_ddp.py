@@ -105,9 +105,8 @@ def test_refusals_name_the_setting(enabled):
     emb = nn.Sequential(nn.Embedding(10, 4, sparse=True))
     with pytest.raises(NotImplementedError, match=r"module '0' is an embedding with sparse=True"):
         DDP(emb)
-    with pytest.raises(NotImplementedError, match=r"join\(\) \(uneven inputs\) is not supported"):
-        with DDP(_net()).join():
-            pass
+    with pytest.raises(TypeError, match="divide_by_initial_world_size must be True or False"):
+        DDP(_net()).join(divide_by_initial_world_size="yes")
     net = _net()
     ours = ddp_fusion.DistributedDataParallel(net)
     with pytest.raises(ValueError, match=r"parameter '0.weight' already carries the gradient hooks"):

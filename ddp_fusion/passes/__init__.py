@@ -104,7 +104,7 @@ def fuse_ddp_allreduces(
 
     result.buckets = plan_buckets(graph, grads)
     make = NodeMaker(graph)
-    guards = insert_plan_guards(make, result.buckets)
+    guards = insert_plan_guards(make, result.buckets, algorithm)
     order = {node: i for i, node in enumerate(graph.nodes)}
     fuse = _FUSERS[algorithm]
     fused = []

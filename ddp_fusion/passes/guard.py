@@ -28,9 +28,10 @@ from ._graph import NodeMaker
 from .bucketing import Bucket
 
 
-def plan_fingerprint(buckets: list[Bucket], group_name: str) -> str:
+def plan_fingerprint(buckets: list[Bucket], group_name: str, algorithm: str) -> str:
     """The group's part of the plan: identical on every rank exactly when the ranks'
-    collectives for this group match (device index left out: it differs by rank)."""
+    collectives for this group match (device index left out: it differs by rank), and
+    enough to replay them (a joined rank does: join.py)."""
     return json.dumps(
         [
             {
@@ -39,6 +40,8 @@ def plan_fingerprint(buckets: list[Bucket], group_name: str) -> str:
                 "reduce_op": b.key.reduce_op,
                 **({"comm_dtype": str(b.key.comm_dtype)} if b.key.comm_dtype else {}),
                 "bytes": b.nbytes,
+                "algorithm": algorithm,
+                "numels": [g.numel for g in b.grads],
                 "grads": [g.label for g in b.grads],
             }
             for b in buckets
@@ -48,7 +51,7 @@ def plan_fingerprint(buckets: list[Bucket], group_name: str) -> str:
 
 
 def insert_plan_guards(
-    make: NodeMaker, buckets: list[Bucket]
+    make: NodeMaker, buckets: list[Bucket], algorithm: str
 ) -> dict[tuple[str, str, torch.device], torch.fx.Node]:
     """At graph start, one ``plan_check_start`` per group; guard nodes keyed by (group
     name, reduce op, device), to be moved before their first user by ``place_guards``."""
@@ -64,7 +67,7 @@ def insert_plan_guards(
             if k in guards:
                 continue
             if group not in starts:
-                fingerprints[group] = plan_fingerprint(buckets, group)
+                fingerprints[group] = plan_fingerprint(buckets, group, algorithm)
                 starts[group] = make(PLAN_CHECK_START, (group, fingerprints[group], b.key.device))
             guards[k] = make(
                 PLAN_GUARD, (starts[group], group, fingerprints[group], b.key.reduce_op, b.key.device)

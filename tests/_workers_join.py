@@ -1,0 +1,101 @@
+"""Per-rank bodies of the join() tests (issue 16): ranks with different numbers of
+batches, against eager torch DDP with ``join()``."""
+
+import copy
+
+import torch
+from torch import nn
+from torch.profiler import profile
+
+import ddp_fusion
+
+BATCHES = (5, 3, 4)  # per rank: rank 1 runs out first, then rank 2
+
+
+class Net(nn.Module):
+    """Two buckets at ``bucket_cap_mb=0.005``, and BatchNorm buffers (broadcast at each
+    forward, from the highest active rank under join, as torch DDP)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(32, 32, bias=False)
+        self.bn = nn.BatchNorm1d(32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
+def _all_reduces(fn):
+    with profile() as prof:
+        out = fn()
+    return out, sum(1 for e in prof.events() if e.name == "gloo:all_reduce")
+
+
+def _train_joined(model, ddp, batches, divide, throw=False):
+    """SGD inside ``ddp.join()``; returns all-reduces per step (each step) and in the
+    join loop at the end (exit)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_step = []
+    ctx = ddp.join(divide_by_initial_world_size=divide, throw_on_early_termination=throw)
+    ctx.__enter__()
+    try:
+        for x in batches:
+            def step():
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+            per_step.append(_all_reduces(step)[1])
+    except BaseException as e:
+        ctx.__exit__(type(e), e, e.__traceback__)
+        raise
+    _, exit_count = _all_reduces(lambda: ctx.__exit__(None, None, None))
+    return per_step, exit_count
+
+
+def join_uneven(rank, world_size, kind):
+    """``kind``: ``wrapper_compiled``, ``stock_compiled`` (torch DDP built with the flag
+    on) or ``wrapper_uncompiled`` (the eager bucketed reducer)."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, 32, generator=gen) * (1 + rank) for _ in range(BATCHES[rank])]
+    base = Net()
+    out = {}
+    refs = {}
+    for divide in (True, False):
+        ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.005)
+        _train_joined(ref, ref, batches, divide)
+        refs[divide] = ref.module
+
+    compiled = kind.endswith("_compiled")
+    torch._dynamo.reset()
+    with ddp_fusion.config.patch(enabled=compiled):
+        if kind.startswith("stock"):
+            ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.005)
+        else:
+            ddp = ddp_fusion.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.005)
+        model = torch.compile(ddp) if compiled else ddp
+        for divide in (True, False):
+            ddp.module.load_state_dict(base.state_dict())  # same compiled model, fresh state
+            per_step, exit_count = _train_joined(model, ddp, batches, divide)
+            want = refs[divide]
+            out[f"divide_{divide}"] = {
+                "params": max((p - q).abs().max().item()
+                              for p, q in zip(ddp.module.parameters(), want.parameters())),
+                "buffers": max((p.float() - q.float()).abs().max().item()
+                               for p, q in zip(ddp.module.buffers(), want.buffers())),
+                "per_step": per_step,
+                "exit": exit_count,
+                "shadowed": max(BATCHES[:world_size]) - BATCHES[rank],
+            }
+        # throw_on_early_termination: every rank raises, none hangs
+        try:
+            _train_joined(model, ddp, batches, True, throw=True)
+            out["throw"] = None
+        except RuntimeError as e:
+            out["throw"] = str(e)
+        if compiled:
+            from torch._dynamo.utils import counters
+
+            out["unfused"] = {k: v for k, v in counters["ddp_fusion"].items() if k.startswith("unfused")}
+    return out
