@@ -71,7 +71,7 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="concat")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
-    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', device(type='cpu'))
+    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "algorithm": "concat", "numels": [15, 5], "grads": ["w2", "w1"]}]', device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
@@ -79,7 +79,7 @@ def forward(self, x_1, w1_1, w2_1):
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
     cat_default = torch.ops.aten.cat.default([view_default, sum_1]);  view_default = sum_1 = None
-    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', 'avg', device(type='cpu'));  plan_check_start_default = None
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "algorithm": "concat", "numels": [15, 5], "grads": ["w2", "w1"]}]', 'avg', device(type='cpu'));  plan_check_start_default = None
     div_tensor = torch.ops.aten.div.Tensor(cat_default, plan_guard_default);  cat_default = plan_guard_default = None
     all_reduce_default = torch.ops._c10d_functional.all_reduce.default(div_tensor, 'sum', '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
@@ -94,13 +94,13 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="coalesced")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
-    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', device(type='cpu'))
+    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "algorithm": "coalesced", "numels": [15, 5], "grads": ["w2", "w1"]}]', device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
-    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "grads": ["w2", "w1"]}]', 'avg', device(type='cpu'));  plan_check_start_default = None
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "algorithm": "coalesced", "numels": [15, 5], "grads": ["w2", "w1"]}]', 'avg', device(type='cpu'));  plan_check_start_default = None
     _foreach_div_tensor = torch.ops.aten._foreach_div.Tensor([mm_1, sum_1], plan_guard_default);  mm_1 = sum_1 = plan_guard_default = None
     all_reduce_coalesced_default = torch.ops._c10d_functional.all_reduce_coalesced.default(_foreach_div_tensor, 'sum', '0');  _foreach_div_tensor = None
     getitem = all_reduce_coalesced_default[0]
