@@ -99,3 +99,32 @@ def join_uneven(rank, world_size, kind):
 
             out["unfused"] = {k: v for k, v in counters["ddp_fusion"].items() if k.startswith("unfused")}
     return out
+
+
+def join_with_zero(rank, world_size):
+    """``Join([model, ZeroRedundancyOptimizer])``, compiled wrapper, against torch DDP
+    with the same: the optimizer's join hook shadows its parameter broadcasts after
+    ddp_fusion's hook shadows the step's gradient collectives."""
+    from torch.distributed.algorithms.join import Join
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, 32, generator=gen) * (1 + rank) for _ in range(BATCHES[rank])]
+    base = Net()
+
+    def run(model, ddp):
+        opt = ZeroRedundancyOptimizer(ddp.module.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        with Join([ddp, opt]):
+            for x in batches:
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+        return [p.detach() for p in ddp.module.parameters()]
+
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.005)
+    want = run(ref, ref)
+    torch._dynamo.reset()
+    with ddp_fusion.config.patch(enabled=True):
+        ddp = ddp_fusion.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.005)
+        got = run(torch.compile(ddp), ddp)
+    return max((g - w).abs().max().item() for g, w in zip(got, want))

@@ -10,7 +10,7 @@ import pytest
 
 from ddp_fusion.launch import run_ranks
 
-from _workers_join import BATCHES, join_uneven
+from _workers_join import BATCHES, join_uneven, join_with_zero
 
 CASES = [
     pytest.param((2, "wrapper_compiled"), id="2ranks-wrapper_compiled"),
@@ -54,3 +54,8 @@ def test_throw_on_early_termination_raises_on_every_rank(results):
     for r in ranks:
         assert r["throw"] is not None and ("exhausted" in r["throw"]), r["throw"]
     assert not any(r.get("unfused") for r in ranks), ranks
+
+
+def test_composes_with_zero_redundancy_optimizer():
+    diffs = run_ranks(join_with_zero, world_size=2, timeout=600, pg_timeout=120)
+    assert max(diffs) < 1e-5, diffs
