@@ -55,6 +55,18 @@ def test_the_compiled_backward_keeps_upstreams_ddp_fusion_pass_off(enabled):
     assert "_fuse_ddp_communication" not in _install._patches_for(plain)
 
 
+def test_adopted_torch_ddp_takes_its_bucket_arguments_and_group(enabled):
+    """bucket_cap_mb / bucket_cap_mb_list and the process group reach the hooks' bucket
+    limits (the same limits the wrapper is tested with against eager DDP)."""
+    from ddp_fusion.passes.bucketing import ddp_bucket_limits
+
+    sub = dist.new_group([0, 1])
+    ddp = DDP(_net(), process_group=sub, bucket_cap_mb_list=[0.001, 0.002])
+    assert ddp._ddp_fusion.group is sub
+    assert ddp._ddp_fusion.reducer.limits == ddp_bucket_limits(None, [0.001, 0.002])
+    assert DDP(_net(), bucket_cap_mb=3)._ddp_fusion.reducer.limits == ddp_bucket_limits(3, None)
+
+
 def test_torch_ddp_built_before_the_flag_keeps_torchs_reducer(fake_pg):
     ddp = DDP(_net())
     assert not hasattr(ddp, "_ddp_fusion")
