@@ -257,6 +257,8 @@ class GradSync:
         # the owner's buffers to broadcast (None: broadcast_buffers off), for a joined
         # rank's shadow of the buffer broadcast (join.py); set by the owner
         self.buffers_of: Any = lambda: None
+        # parameter names DDP was told to ignore (torch DDP's parameters_to_ignore)
+        self.ignored: set[str] = set()
         self.state = _SyncState(comm_dtype)
         self.key = next(_keys)
         if find_unused_parameters:
@@ -279,14 +281,24 @@ class GradSync:
         weakref.finalize(owner, _release, self.handles, [p for _, p in params], self.key)
 
     def before_forward(
-        self, args: Any, kwargs: Any, buffers: list[torch.Tensor] | None, joinable: Any
+        self,
+        args: Any,
+        kwargs: Any,
+        buffers: list[torch.Tensor] | None,
+        joinable: Any,
+        sync_grads: bool | None,
     ) -> None:
         """At the start of each forward (eager or traced). ``buffers``: the module
         buffers to broadcast from the group's rank 0 (None: ``broadcast_buffers`` off).
         ``joinable``: the model, whose join context (if one is enabled) makes this
-        forward run join.py's prelude, eagerly."""
+        forward run join.py's prelude, eagerly. ``sync_grads``: the model's
+        ``require_backward_grad_sync`` (``no_sync()``), which, as in torch DDP, decides
+        at the forward whether this forward's backward reduces gradients (None: the
+        owner sets the state itself; the prelude latches it under join)."""
         state = self.state
         state.forwarded = True
+        if sync_grads is not None:
+            state.require_backward_grad_sync = sync_grads
         _torch.call_with_example_inputs(_learn_ready_order, self.key, args, kwargs)
         joining = _torch.join_enabled(joinable)
         if joining:
@@ -313,8 +325,8 @@ class GradSync:
                 f"{who}.register_comm_hook: {name} is not supported on a ddp_fusion model "
                 "yet; only torch's allreduce_hook, fp16_compress_hook and "
                 "bf16_compress_hook (which become the fused buckets' communication dtype) "
-                "are. Turn ddp_fusion.config.enabled off before wrapping this model to run "
-                "it with torch's eager DDP reducer"
+                "are. To run this hook, use torch.nn.parallel.DistributedDataParallel "
+                "built while ddp_fusion.config.enabled is off (torch's eager reducer)"
             )
         if hook_state is not None and hook_state is not self.group:
             raise ValueError(
@@ -487,16 +499,26 @@ class DistributedDataParallel(nn.Module, Joinable):
         # and the bare module trains locally again.
         self._state = self._sync.state
         self.reducer = self._sync.reducer
+        self._sync_requested = True
         self._params = params
         me_ = weakref.ref(self)
         self._sync.buffers_of = lambda: _wrapper_buffers(me_())
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        return self._state.require_backward_grad_sync
+        """torch DDP's flag (``no_sync()`` clears it). Outside a join context it takes
+        effect at the next backward (so toggling it recompiles no forward); inside an
+        enabled one, at the next forward, as in torch DDP (join.py announces it there)."""
+        return self._sync_requested
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync_requested = value
+        if not _torch.join_enabled(self):
+            self._state.require_backward_grad_sync = value
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._sync.before_forward(args, kwargs, _wrapper_buffers(self), self)
+        self._sync.before_forward(args, kwargs, _wrapper_buffers(self), self, None)
         return self.module(*args, **kwargs)
 
     def join(
@@ -538,13 +560,14 @@ class DistributedDataParallel(nn.Module, Joinable):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) inside the block; the first
-        backward after it reduces the accumulated gradients."""
-        previous = self._state.require_backward_grad_sync
-        self._state.require_backward_grad_sync = False
+        backward after it reduces the accumulated gradients (see
+        ``require_backward_grad_sync`` for when the flag takes effect)."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._state.require_backward_grad_sync = previous
+            self.require_backward_grad_sync = previous
 
 
 def _wrapper_buffers(wrapper: DistributedDataParallel | None) -> list[torch.Tensor] | None:

@@ -60,6 +60,9 @@ def prelude(sync: GradSync, joinable: Any, buffers: list[torch.Tensor] | None) -
     """An active rank's part of one step inside an enabled join context (above)."""
     Join.notify_join_context(joinable)
     group, state = sync.group, sync.state
+    # what no_sync() asked for, decided now for this forward's backward (torch DDP's
+    # rule; the joined ranks learn it below)
+    state.require_backward_grad_sync = bool(joinable.require_backward_grad_sync)
     if buffers and state.forward_param_sync:
         src = _find_common_rank(group, sync.device, True)
         _broadcast_from(buffers, group, src)
@@ -106,9 +109,12 @@ class DDPJoinHook(JoinHook):
         """Every rank ends with the model of the last rank to join (torch DDP's rule)."""
         sync = self.sync
         src = _find_common_rank(sync.group, sync.device, is_last_joiner)
-        tensors = [p.detach() for p in sync.module.parameters()]
+        tensors = [p.detach() for n, p in sync.module.named_parameters() if n not in sync.ignored]
         tensors += sync.buffers_of() or []
         _broadcast_from(tensors, sync.group, src)
+        # every rank has joined: buckets divide by the group size again (the next
+        # enabled prelude, if any, sets the divisor for its own step)
+        verify.set_divisor(sync.group, None)
 
 
 @torch.no_grad()

@@ -91,6 +91,7 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
     ddp._ddp_fusion = sync
     me = weakref.ref(ddp)
     sync.buffers_of = lambda: _buffers(me())
+    sync.ignored = ignored
     ddp.__class__ = _torch.adopted_ddp_class(type(ddp), _BEHAVIOUR)
 
 
@@ -106,9 +107,7 @@ class _Behaviour(_torch.AdoptedDDPBehaviour):
             )
         inputs, kwargs = _torch.stock_ddp_move_inputs(ddp, inputs, kwargs)
         sync: GradSync = ddp._ddp_fusion
-        # Eager DDP decides at forward whether this forward's backward reduces.
-        sync.state.require_backward_grad_sync = ddp.require_backward_grad_sync
-        sync.before_forward(inputs, kwargs, _buffers(ddp), ddp)
+        sync.before_forward(inputs, kwargs, _buffers(ddp), ddp, ddp.require_backward_grad_sync)
         return inputs, kwargs
 
     def register_comm_hook(self, ddp: Any, state: Any, hook: Any) -> None:

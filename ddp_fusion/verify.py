@@ -59,8 +59,14 @@ def divisor(group: dist.ProcessGroup) -> int:
     return _divisors.get(group.group_name, group.size())
 
 
-def set_divisor(group: dist.ProcessGroup, value: int) -> None:
-    _divisors[group.group_name] = value
+def set_divisor(group: dist.ProcessGroup, value: int | None) -> None:
+    """Set (None: clear) the divisor of ``group``'s ``avg`` buckets. One per group: two
+    models on one group inside join contexts with different
+    ``divide_by_initial_world_size`` would share it (not supported)."""
+    if value is None:
+        _divisors.pop(group.group_name, None)
+    else:
+        _divisors[group.group_name] = value
 # (group name, plan) -> the plan check in flight: (work, everyone's hashes, this rank's)
 _pending: dict[tuple[str, str], tuple[dist.Work, torch.Tensor, torch.Tensor]] = {}
 
@@ -211,14 +217,17 @@ def _describe_mismatch(group_name: str, plans: Sequence[str | None]) -> str:
         "parameter gets a gradient on some ranks only (unused in this step's forward), "
         "or the ranks run different code or models."
     ]
+    joined = {i for i, p in enumerate(plans) if not p}
     for i, buckets in enumerate(decoded):
         lines.append(
-            f"  group rank {i}: {len(buckets)} buckets, bytes "
-            f"{[b['bytes'] for b in buckets]}"
+            f"  group rank {i}: joined (join(): shadows the others' plan)" if i in joined
+            else f"  group rank {i}: {len(buckets)} buckets, bytes {[b['bytes'] for b in buckets]}"
         )
-    names = [{n for b in buckets for n in b["grads"]} for buckets in decoded]
+    names = [{n for b in buckets for n in b["grads"]} for i, buckets in enumerate(decoded)
+             if i not in joined]
     everyone = set.union(*names) if names else set()
-    for i, have in enumerate(names):
+    active = [i for i in range(len(decoded)) if i not in joined]
+    for i, have in zip(active, names):
         missing = sorted(everyone - have)
         if missing:
             lines.append(f"  group rank {i} has no gradient for: {', '.join(missing[:20])}"
