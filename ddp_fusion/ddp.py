@@ -127,7 +127,9 @@ def _make_hook(
             reduced = ALL_REDUCE_GRADIENT(
                 grad, group_name, "avg", limits, name, state.comm_dtype, ready, owner
             )
-            param.grad.copy_(_torch.as_like(param.grad, reduced))
+            # The reduced gradient becomes .grad (fused: a view of its bucket's
+            # buffer), rather than being copied into the old one: no copy back.
+            param.grad = _torch.as_like(param.grad, reduced)
             return
         if config.enabled:
             _warn_not_compiled()

@@ -49,13 +49,14 @@ def _all_reduce_gradient(
     if reduce_op == "avg":
         out.div_(group.size())
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out.to(grad.dtype).contiguous()
+    return torch.empty_like(grad).copy_(out)
 
 
 @_all_reduce_gradient.register_fake
 def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1, owner=-1):
-    # Contiguous whatever the gradient's strides: what every fused form returns.
-    return grad.new_empty(grad.shape)
+    # The gradient's strides if it is dense (else contiguous), as empty_like gives:
+    # what every fused form returns (views of the reduced bucket, passes/concat.py).
+    return torch.empty_like(grad)
 
 
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default

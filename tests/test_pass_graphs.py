@@ -78,10 +78,11 @@ def forward(self, x_1, w1_1, w2_1):
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
-    cat_default = torch.ops.aten.cat.default([view_default, sum_1]);  view_default = sum_1 = None
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "algorithm": "concat", "numels": [15, 5], "grads": ["w2", "w1"]}]', 'avg', device(type='cpu'));  plan_check_start_default = None
-    div_tensor = torch.ops.aten.div.Tensor(cat_default, plan_guard_default);  cat_default = plan_guard_default = None
-    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(div_tensor, 'sum', '0');  div_tensor = None
+    div_tensor = torch.ops.aten.div.Tensor(view_default, plan_guard_default);  view_default = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
+    cat_default = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
+    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(cat_default, 'sum', '0');  cat_default = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
     split_with_sizes_default = torch.ops.aten.split_with_sizes.default(wait_tensor_default, [15, 5]);  wait_tensor_default = None
     getitem = split_with_sizes_default[0]

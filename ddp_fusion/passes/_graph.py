@@ -59,13 +59,40 @@ class NodeMaker:
         return t if isinstance(t, torch._subclasses.fake_tensor.FakeTensor) else self.mode.from_tensor(t)
 
 
-# Fake-tensor propagation is most of the pass's cost (one or two nodes per gradient).
-# Views skip fake dispatch (_torch.fake_view, same storage as under dispatch); the
-# functional collectives' results are the fresh tensors their meta functions return,
-# made directly instead of through their slower fake implementations.
+def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of ``t``'s dimensions from outermost to innermost in memory, if ``t``
+    is dense and non-overlapping but not contiguous (a channels-last gradient, say):
+    ``t.permute(order)`` is then a contiguous view of the same memory. None otherwise."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    permuted = t.permute(order)
+    if t.is_contiguous() or not permuted.is_contiguous():
+        return None
+    return order
+
+
+def _scale(x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    # div by a 0-d float32 tensor: a floating ``x`` keeps its dtype (a 0-d tensor does
+    # not promote a dimensioned one of the same category)
+    if not x.is_floating_point() or divisor.dim() != 0 or not divisor.is_floating_point():
+        return torch.div(x, divisor)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if any(t.dim() != 1 or t.dtype != tensors[0].dtype for t in tensors):
+        return torch.cat(tensors)
+    return tensors[0].new_empty(sum(t.numel() for t in tensors))
+
+
+# Fake-tensor propagation is most of the pass's cost (a few nodes per gradient). Views
+# skip fake dispatch (_torch.fake_view, same storage as under dispatch); the other
+# nodes the pass makes per gradient or bucket get the fresh tensors their meta
+# functions would return, made directly instead of through fake dispatch.
 _SHORTCUTS: dict[Any, Callable[..., torch.Tensor]] = {
     torch.ops._c10d_functional.all_reduce.default: lambda x, *_: torch.empty_like(
         x, memory_format=torch.contiguous_format
     ),
     torch.ops._c10d_functional.wait_tensor.default: lambda x: torch.empty_like(x),
+    torch.ops.aten.div.Tensor: _scale,
+    torch.ops.aten.cat.default: _cat,
 }

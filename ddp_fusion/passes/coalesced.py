@@ -6,8 +6,11 @@ Before: as in concat.py. After (inserted right after the last of g1..gn is compu
     red = _c10d_functional.all_reduce_coalesced(s, "sum", group)
     r1 = wait_tensor(red[0]) ... rn = wait_tensor(red[n-1])   # moved later by schedule.py
 
-No flat buffer and no copy out; the backend still sees one call per bucket. With a
-``comm_dtype`` each gradient is cast before the division and cast back after its wait.
+No flat buffer and no copy out: the reduced tensors become the gradients; the backend
+still sees one call per bucket. A dense gradient that is not contiguous (channels last)
+is reduced as its contiguous ``permute`` view and permuted back, so it keeps its strides;
+one that is not dense is cloned contiguous. With a ``comm_dtype`` each gradient is cast
+before the division and cast back after its wait.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import operator
 import torch
 import torch.fx
 
-from ._graph import NodeMaker
+from ._graph import NodeMaker, memory_order
 from .bucketing import Bucket
 from .schedule import FusedBucket
 
@@ -31,13 +34,15 @@ def fuse_coalesced(
 ) -> FusedBucket:
     key = bucket.key
     with make.graph.inserting_before(after.next):
-        # The result is contiguous, as the op promises (and as all_reduce_coalesced
-        # returns at run time whatever its input's strides).
+        # all_reduce_coalesced returns contiguous tensors whatever its inputs' strides
+        orders = [_order(g.grad.meta["val"]) for g in bucket.grads]
         grads = [
             g.grad
-            if g.grad.meta["val"].is_contiguous()
+            if order == ()
+            else make(aten.permute.default, (g.grad, list(order)))
+            if order is not None
             else make(aten.clone.default, (g.grad,), {"memory_format": torch.contiguous_format})
-            for g in bucket.grads
+            for g, order in zip(bucket.grads, orders)
         ]
         if key.comm_dtype is not None:
             grads = [
@@ -67,6 +72,15 @@ def fuse_coalesced(
                 tail.append(
                     make(prims.convert_element_type.default, (tail[-1], key.dtype))
                 )
+            if orders[i]:
+                inverse = sorted(range(len(orders[i])), key=orders[i].__getitem__)
+                tail.append(make(aten.permute.default, (tail[-1], inverse)))
             tails.append(tail)
             outputs.append(tail[-1])
     return FusedBucket(bucket, collective, tails, outputs)
+
+
+def _order(val: torch.Tensor) -> tuple[int, ...] | None:
+    """``()``: contiguous; a dimension order: dense, reduced as that permute view;
+    None: not dense (cloned)."""
+    return () if val.is_contiguous() else memory_order(val)

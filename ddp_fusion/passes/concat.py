@@ -5,24 +5,28 @@ Before (n gradients of one bucket)::
     r1 = ddp_fusion.all_reduce_gradient(g1, group, "avg", ...)
     ...
     rn = ddp_fusion.all_reduce_gradient(gn, group, "avg", ...)
-    copy_(p1_grad, r1) ... copy_(pn_grad, rn)
+    return (r1, ..., rn)                # the hooks make each r_i its parameter's .grad
 
 After (inserted right after the last of g1..gn is computed)::
 
-    flat = cat([view(g1, [-1]) ... view(gn, [-1])])   # Inductor: one copy-in kernel,
-                                                        # (reshape if not contiguous;
-                                                        # nothing for 1-D gradients)
-    flat = div(flat, divisor)                           # the scaling fused into it
-                                                        # (with comm_dtype: cast first,
-                                                        # and cast back after the wait)
-    red  = _c10d_functional.all_reduce(flat, "sum", group)
-    red  = _c10d_functional.wait_tensor(red)            # moved later by schedule.py
+    flat = cat([div(view(g1, [-1]), divisor)   # each gradient scaled as it is copied in:
+                ...                            # Inductor writes g_i / divisor straight
+                div(view(gn, [-1]), divisor)]) # into its slice (one pass, one buffer)
+    red  = _c10d_functional.all_reduce(flat, "sum", group)   # in place on flat
+    red  = _c10d_functional.wait_tensor(red)                 # moved later by schedule.py
     parts = split_with_sizes(red, [numel1 ... numeln])
     r1 = view(parts[0], shape1) ... rn = view(parts[n-1], shapen)   # 1-D: parts[i]
 
+The reduced gradients are views of the bucket's buffer: nothing is copied back. Each
+``r_i`` has its gradient's strides (a channels-last gradient is flattened in memory
+order, by a ``permute`` view, and comes back as one), so the hook that set ``.grad =
+r_i`` keeps the gradient layout contract; a gradient that is not dense is reshaped (a
+copy) and comes back contiguous. With a ``comm_dtype`` each gradient is cast before its
+division, and the reduced buffer cast back after the wait.
+
 ``divisor`` is the 0-d tensor from the group's ``plan_guard`` (see verify.py): the world
-size for ``avg``, 1 for ``sum``. The division happens before the sum, as in eager DDP,
-so low-precision gradients do not overflow.
+size for ``avg``, 1 for ``sum`` and for a comm hook's bucket. The division happens
+before the sum, as in eager DDP, so low-precision gradients do not overflow.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import operator
 import torch
 import torch.fx
 
-from ._graph import NodeMaker
+from ._graph import NodeMaker, memory_order
 from .bucketing import Bucket
 from .collectives import GradAllReduce
 from .schedule import FusedBucket
@@ -43,30 +47,38 @@ c10d = torch.ops._c10d_functional
 
 
 def fuse_concat(
-    make: NodeMaker, bucket: Bucket, after: torch.fx.Node, divisor: torch.fx.Node
+    make: NodeMaker,
+    bucket: Bucket,
+    after: torch.fx.Node,
+    divisor: torch.fx.Node,
+    group_name: str | None = None,
 ) -> FusedBucket:
+    """``group_name``: the group the bucket's collective goes to, if not the bucket's
+    own (a comm hook's, see comm_hooks.py)."""
     key = bucket.key
     with make.graph.inserting_before(after.next):
-        flats = [_flatten(make, g) for g in bucket.grads]
+        flats = []
+        for g in bucket.grads:
+            flat = _flatten(make, g)
+            if key.comm_dtype is not None:
+                flat = make(prims.convert_element_type.default, (flat, key.comm_dtype))
+            flats.append(make(aten.div.Tensor, (flat, divisor)))
         flat = make(aten.cat.default, (flats,))
-        if key.comm_dtype is not None:
-            flat = make(prims.convert_element_type.default, (flat, key.comm_dtype))
-        flat = make(aten.div.Tensor, (flat, divisor))
-        collective = make(c10d.all_reduce.default, (flat, "sum", key.group_name))
+        collective = make(c10d.all_reduce.default, (flat, "sum", group_name or key.group_name))
         wait = make(c10d.wait_tensor.default, (collective,))
         tail = [wait]
         if key.comm_dtype is not None:
             wait = make(prims.convert_element_type.default, (wait, key.dtype))
             tail.append(wait)
-        parts = make(
-            aten.split_with_sizes.default, (wait, [g.numel for g in bucket.grads])
-        )
+        parts = make(aten.split_with_sizes.default, (wait, [g.numel for g in bucket.grads]))
         tail.append(parts)
         outputs = []
         for i, g in enumerate(bucket.grads):
-            part = make(operator.getitem, (parts, i))
-            out = part if len(g.shape) == 1 else make(aten.view.default, (part, list(g.shape)))
-            tail += [part] if out is part else [part, out]
+            out = make(operator.getitem, (parts, i))
+            tail.append(out)
+            for node in _unflatten(make, g, out):
+                tail.append(node)
+                out = node
             outputs.append(out)
     return FusedBucket(bucket, collective, [tail], outputs)
 
@@ -74,8 +86,26 @@ def fuse_concat(
 def _flatten(make: NodeMaker, g: GradAllReduce) -> torch.fx.Node:
     # Fake-tensor propagation dominates the pass's cost, so make no node where none is
     # needed: a 1-D gradient is already flat, a contiguous one only needs a view.
-    if len(g.shape) == 1:
+    val = g.grad.meta["val"]
+    if val.dim() == 1:
         return g.grad
-    contiguous = g.grad.meta["val"].is_contiguous()
-    return make(aten.view.default if contiguous else aten.reshape.default, (g.grad, [-1]))
+    if val.is_contiguous():
+        return make(aten.view.default, (g.grad, [-1]))
+    order = memory_order(val)
+    if order is None:  # not dense: copy
+        return make(aten.reshape.default, (g.grad, [-1]))
+    permuted = make(aten.permute.default, (g.grad, list(order)))
+    return make(aten.view.default, (permuted, [-1]))
 
+
+def _unflatten(make: NodeMaker, g: GradAllReduce, part: torch.fx.Node) -> list[torch.fx.Node]:
+    """Views of the flat ``part`` with the gradient's shape and (if dense) strides."""
+    val = g.grad.meta["val"]
+    if val.dim() == 1:
+        return []
+    order = None if val.is_contiguous() else memory_order(val)
+    if order is None:
+        return [make(aten.view.default, (part, list(g.shape)))]
+    shaped = make(aten.view.default, (part, [g.shape[d] for d in order]))
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return [shaped, make(aten.permute.default, (shaped, inverse))]
