@@ -171,3 +171,41 @@ def test_waits_stay_after_the_backward_compute_they_overlap(monkeypatch, tmp_pat
     first_issue, last_issue, first_wait = call.index(issue), call.rindex(issue), call.index(wait)
     assert last_issue < first_wait
     assert "extern_kernels.mm(" in call[first_issue:last_issue]
+
+
+@pytest.mark.parametrize("grads_before", ["none", "zeros"])
+def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_before):
+    """Issue 15: in Inductor's code for the fused backward, each bucket has one buffer,
+    the size of the bucket: the scaled gradients are written into it (the one copy),
+    the all-reduce runs in place on it, and after its wait no kernel reads it: the
+    graph returns views of it, which become the ``.grad``\\ s (nothing is copied back).
+    With ``.grad`` already set (``zero_grad(set_to_none=False)``), accumulating into the
+    old ``.grad`` is autograd's own write, as in eager."""
+    import re
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    net = mlp()
+    if grads_before == "zeros":
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+    with ddp_fusion.config.patch(enabled=True):
+        model = torch.compile(ddp_fusion.DistributedDataParallel(net, bucket_cap_mb=0.015))
+        model(torch.randn(16, 32)).square().sum().backward()
+    (code,) = [p.read_text() for p in tmp_path.rglob("*.py") if "all_reduce_" in p.read_text()]
+    call = code.split("def call(")[1]
+    buckets = re.findall(r"all_reduce_\.default\((buf\d+), 'sum'", call)
+    assert len(buckets) == 2, call
+    numels = []
+    for buf in buckets:
+        numel = re.search(rf"\n\s*{buf} = empty_strided_cpu\(\((\d+), \)", call).group(1)
+        numels.append(int(numel))
+        # one buffer of the bucket's size: no second, scaled copy of it
+        assert len(re.findall(rf"empty_strided_cpu\(\({numel}, \)", call)) == 1, call
+        after_wait = call.split(f"wait_tensor.default({buf})")[1]
+        readers = [line for line in after_wait.splitlines()
+                   if re.search(rf"\b{buf}\b", line) and not line.strip().startswith(("del ", "return "))]
+        assert readers == [], readers  # no copy back
+        assert re.search(rf"return \(.*reinterpret_tensor\({buf},", after_wait)
+    # buckets [4.b, 4.w, 2.b, 2.w] and [0.b, 0.w] (see grads_after_steps)
+    assert sorted(numels) == [64 + 32 * 64, 8 + 64 * 8 + 64 + 64 * 64]
