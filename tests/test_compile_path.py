@@ -178,7 +178,7 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
     """Issue 15: in Inductor's code for the fused backward, each bucket has one buffer,
     the size of the bucket: the scaled gradients are written into it (the one copy),
     the all-reduce runs in place on it, and after its wait no kernel reads it: the
-    graph returns views of it, which become the ``.grad``\\ s (nothing is copied back).
+    graph returns views of it, which become the gradients (nothing is copied back).
     With ``.grad`` already set (``zero_grad(set_to_none=False)``), accumulating into the
     old ``.grad`` is autograd's own write, as in eager."""
     import re
