@@ -8,8 +8,8 @@ the tagged ``ddp_fusion::all_reduce_gradient`` op and copies the result into ``.
 the pass then buckets and fuses those ops as eager DDP would have. Run eagerly, the hook
 hands the gradient to a Python bucketed reducer (reducer.py).
 
-Not supported (yet): ``gradient_as_bucket_view``, comm hooks other than a communication
-dtype (torch's fp16/bf16 compress hooks), sparse gradients, ``static_graph``. DTensor parameters (tensor parallelism on
+Not supported (yet): comm hooks other than a communication dtype (torch's fp16/bf16
+compress hooks), sparse gradients, ``static_graph``. DTensor parameters (tensor parallelism on
 another mesh dimension) have their local shards reduced over the data-parallel group.
 Under ``torch.compile``,
 ``find_unused_parameters`` covers parameters unused on every rank; one unused on some
@@ -247,8 +247,16 @@ class GradSync:
         comm_dtype: torch.dtype | None,
         find_unused_parameters: bool,
         who: str,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         _check_not_hooked(params, who)
+        if gradient_as_bucket_view:
+            for name, p in params:
+                if _torch.is_dtensor(p):
+                    raise NotImplementedError(
+                        f"{who}: gradient_as_bucket_view with DTensor parameter {name!r} is "
+                        "not supported"
+                    )
         if any(_torch.is_dtensor(p) for _, p in params):
             _install.need_dtensor_clone()
         self.module = module
@@ -268,7 +276,9 @@ class GradSync:
             # parameter order (the eager reducer's order too); nothing to learn.
             self.state.ready_position = tuple(reversed(range(len(params))))
             self.state.ready_learned = True
-        self.reducer = EagerReducer(params, group, limits, comm_dtype, find_unused_parameters)
+        self.reducer = EagerReducer(
+            params, group, limits, comm_dtype, find_unused_parameters, gradient_as_bucket_view
+        )
         owner_id = _owner_id(self.names, group.group_name)
         self.handles = [
             p.register_post_accumulate_grad_hook(
@@ -405,6 +415,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     bucketed reducer with the same bucket limits, overlapping communication with the
     rest of backward. ``comm_dtype`` (alias ``reduce_dtype``) all-reduces gradients in
     that dtype and casts back, like torch's fp16/bf16 compress hooks.
+
+    Compiled and fused, each reduced ``.grad`` is a view of its bucket's buffer (made
+    afresh each step; nothing is copied back), whatever ``gradient_as_bucket_view``
+    says. Uncompiled, ``gradient_as_bucket_view=True`` makes ``.grad`` views of the
+    eager reducer's persistent buckets, as in torch DDP.
     """
 
     def __init__(
@@ -419,6 +434,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         comm_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -437,6 +453,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         for arg, flag in (
             ("find_unused_parameters", find_unused_parameters),
             ("broadcast_buffers", broadcast_buffers),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{arg} must be True or False, got {flag!r}")
@@ -461,6 +478,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = _default_group(process_group, "DistributedDataParallel")
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.comm_dtype = comm_dtype or reduce_dtype
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_mb_list = None if bucket_cap_mb_list is None else list(bucket_cap_mb_list)
@@ -496,6 +514,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.comm_dtype,
             find_unused_parameters,
             "DistributedDataParallel",
+            gradient_as_bucket_view,
         )
         # Hooks hold no reference to the wrapper; once it is garbage, they go with it,
         # and the bare module trains locally again.

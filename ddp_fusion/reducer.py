@@ -16,6 +16,12 @@ backward they are rebuilt once from rank 0's observed ready order, with the same
 limits the compiled path uses (``passes.bucketing``). With ``find_unused_parameters``
 they are never rebuilt, as in eager DDP.
 
+With ``gradient_as_bucket_view=True`` (eager DDP's option) each ``.grad`` is a view of
+its bucket: a gradient is copied into the bucket once (or accumulated there in place by
+autograd), reduced in place, and nothing is copied back. Buckets are then kept in the
+parameters' dtype; a communication dtype is a cast of the bucket at launch and back at
+the end.
+
 Unused parameters: a bucket that is not full at the end of backward means some
 parameters got no gradient. With ``find_unused_parameters=True`` their slots are sent
 as zeros and a used-parameter bitmap is all-reduced, so a parameter used on any rank
@@ -39,9 +45,10 @@ from . import _torch, verify
 class _Bucket:
     params: list[int]  # parameter indices, in bucket order
     offsets: list[int]
-    buffer: torch.Tensor  # flat, in the communication dtype
+    buffer: torch.Tensor  # flat; in the communication dtype unless .grad are views of it
     pending: int = 0
     work: dist.Work | None = None
+    sent: torch.Tensor | None = None  # what was all-reduced, if not ``buffer`` itself
 
 
 class EagerReducer:
@@ -52,6 +59,7 @@ class EagerReducer:
         limits: list[int],
         comm_dtype: torch.dtype | None,
         find_unused_parameters: bool,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -61,6 +69,7 @@ class EagerReducer:
         self.limits = limits
         self.comm_dtype = comm_dtype
         self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.rebuilt = False
         self._build(list(reversed(range(len(self.params)))))
         self._backward_id: int | None = None
@@ -97,8 +106,25 @@ class EagerReducer:
                 offsets.append(n)
                 n += self.local[i].numel()
             p0 = self.local[members[0]]
-            buffer = torch.zeros(n, dtype=self.comm_dtype or p0.dtype, device=p0.device)
+            dtype = p0.dtype if self.gradient_as_bucket_view else self.comm_dtype or p0.dtype
+            buffer = torch.zeros(n, dtype=dtype, device=p0.device)
             self.buckets.append(_Bucket(members, offsets, buffer))
+        if self.gradient_as_bucket_view:
+            self._point_grads_at_buckets()
+
+    def _view(self, index: int) -> torch.Tensor:
+        b, offset = self.bucket_of[index]
+        local = self.local[index]
+        return self.buckets[b].buffer[offset : offset + local.numel()].view_as(local)
+
+    @torch.no_grad()
+    def _point_grads_at_buckets(self) -> None:
+        """Existing gradients move into the (new) buckets; ``.grad`` become views."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                view = self._view(i)
+                view.copy_(p.grad)
+                p.grad = view
 
     # -- per backward --------------------------------------------------------------
     def _start_backward(self) -> None:
@@ -119,8 +145,15 @@ class EagerReducer:
             self._start_backward()
         b, offset = self.bucket_of[index]
         bucket = self.buckets[b]
-        grad = _torch.local_tensor(self.params[index].grad)
-        bucket.buffer[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+        param = self.params[index]
+        grad = _torch.local_tensor(param.grad)
+        if self.gradient_as_bucket_view:
+            view = self._view(index)
+            if not _same_memory(grad, view):  # autograd made a new tensor: move it in
+                view.copy_(grad)
+                param.grad = view
+        else:
+            bucket.buffer[offset : offset + grad.numel()].copy_(grad.reshape(-1))
         self._used[index] = 1
         self._ready.append(index)
         bucket.pending -= 1
@@ -130,8 +163,11 @@ class EagerReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
-            bucket.buffer.div_(verify.divisor(self.group))
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            sent = bucket.buffer
+            if self.comm_dtype is not None and sent.dtype != self.comm_dtype:
+                sent = bucket.sent = sent.to(self.comm_dtype)
+            sent.div_(verify.divisor(self.group))
+            bucket.work = dist.all_reduce(sent, group=self.group, async_op=True)
             self._next += 1
 
     def _finish_backward(self) -> None:
@@ -147,10 +183,15 @@ class EagerReducer:
             dist.all_reduce(used, group=self.group)
         for bucket in self.buckets:
             bucket.work.wait()
+            if bucket.sent is not None:
+                bucket.buffer.copy_(bucket.sent)
+                bucket.sent = None
             for i, offset in zip(bucket.params, bucket.offsets):
                 p, local = self.params[i], self.local[i]
                 reduced = bucket.buffer[offset : offset + local.numel()].view_as(local)
-                if p.grad is not None:
+                if self.gradient_as_bucket_view and (p.grad is not None or used[i]):
+                    p.grad = reduced  # already is, unless it was unused here
+                elif p.grad is not None:
                     _torch.local_tensor(p.grad).copy_(reduced)
                 elif used[i]:  # unused here, used elsewhere: DDP gives it the average
                     if _torch.is_dtensor(p):
@@ -180,7 +221,8 @@ class EagerReducer:
                 "give every rank at least one batch"
             )
         works = [
-            dist.all_reduce(torch.zeros_like(b.buffer), group=self.group, async_op=True)
+            dist.all_reduce(torch.zeros_like(b.buffer, dtype=self.comm_dtype or b.buffer.dtype),
+                            group=self.group, async_op=True)
             for b in self.buckets
         ]
         if self.find_unused_parameters:
@@ -203,3 +245,7 @@ class EagerReducer:
             dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
         self._build(shared[0])
         self.rebuilt = True
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

@@ -86,6 +86,7 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
         None,
         bool(arguments.get("find_unused_parameters")),
         WHO,
+        bool(arguments.get("gradient_as_bucket_view")),
     )
     _torch.detach_cpp_reducer(ddp)
     ddp._ddp_fusion = sync

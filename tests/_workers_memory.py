@@ -1,0 +1,75 @@
+"""Per-rank bodies of the gradient-storage tests (issue 15): ``.grad`` as views of the
+bucket buffers, compiled and not, against eager torch DDP."""
+
+import copy
+
+import torch
+
+import ddp_fusion
+
+from _workers import mlp
+
+
+def _train(model, batches, set_to_none, lr=0.05):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x in batches:
+        opt.zero_grad(set_to_none=set_to_none)
+        model(x).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _storages(module):
+    """Per parameter: the id of the storage its ``.grad`` lives in."""
+    return [p.grad.untyped_storage().data_ptr() for p in module.parameters()]
+
+
+def _max_diff(got, want):
+    return max((g - w).abs().max().item() for g, w in zip(got, want))
+
+
+def grads_as_bucket_views(rank, world_size, cap=0.03, steps=4):
+    """For ``zero_grad(set_to_none=True)`` and ``False``: parameters after ``steps`` SGD
+    steps against torch DDP (``gradient_as_bucket_view=True``), and how the ``.grad``
+    storages are laid out (how many distinct storages; whether they stay put across
+    steps), for ddp_fusion uncompiled with ``gradient_as_bucket_view=True`` and
+    compiled (default arguments)."""
+    base = mlp(bias=True)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
+    out = {}
+    for set_to_none in (True, False):
+        ref = torch.nn.parallel.DistributedDataParallel(
+            copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=True
+        )
+        want = _train(ref, batches, set_to_none)
+        buckets = len(ref._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
+
+        eager = ddp_fusion.DistributedDataParallel(
+            copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=True
+        )
+        got = _train(eager, batches[:-1], set_to_none)
+        before = _storages(eager.module)
+        got = _train(eager, batches[-1:], set_to_none)
+
+        torch._dynamo.reset()
+        with ddp_fusion.config.patch(enabled=True):
+            ddp = ddp_fusion.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
+            compiled = _train(torch.compile(ddp), batches, set_to_none)
+        out[set_to_none] = {
+            "torch_buckets": buckets,
+            "uncompiled": {
+                "max_diff": _max_diff(got, want),
+                "storages": len(set(_storages(eager.module))),
+                "kept_storages": before == _storages(eager.module),
+                "views_of_buckets": [p.grad.untyped_storage().data_ptr() for p in eager.module.parameters()]
+                == [eager.reducer.buckets[eager.reducer.bucket_of[i][0]].buffer.untyped_storage().data_ptr()
+                    for i in range(len(eager.reducer.params))],
+            },
+            "compiled": {
+                "max_diff": _max_diff(compiled, want),
+                "storages": len(set(_storages(ddp.module))),
+                "contiguous": all(p.grad.is_contiguous() for p in ddp.module.parameters()),
+            },
+        }
+    return out
