@@ -207,9 +207,30 @@ def dynamo_optimize_ddp_mode() -> str:
 def detach_cpp_reducer(ddp: Any) -> None:
     """Take a constructed torch DDP's C++ reducer out of its gradients' path: remove its
     autograd hooks (compiled autograd cannot run them) and take the forward path torch
-    takes for its own python reducer (no reducer calls, no DDPOptimizer)."""
+    takes for its own python reducer (no reducer calls, no DDPOptimizer). Then replace
+    it (and the logger, which holds it) by a reducer of one one-element placeholder:
+    the C++ reducer holds a bucket buffer for every gradient (on a GPU, as much device
+    memory as the gradients), which nothing would use any more. The logger gets the
+    construction data torch DDP gave it, so ``_get_ddp_logging_data()`` still works."""
     ddp._remove_autograd_hooks()
     ddp._use_python_reducer = True
+    device = next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
+    placeholder = torch.nn.Parameter(torch.zeros(1, device=device))
+    reducer = dist.Reducer(
+        [placeholder], [[0]], [1], ddp.process_group, [False], 1, False, False,
+        {0: "ddp_fusion.placeholder"}, 1,
+    )
+    logger = dist.Logger(reducer)
+    reducer.set_logger(logger)  # weakly, as torch DDP does
+    logger.set_construction_data_and_log(
+        type(ddp.module).__name__,
+        list(ddp.device_ids or []),
+        -1 if ddp.output_device is None else ddp.output_device,
+        getattr(ddp, "forward_sync_buffers", ddp.broadcast_buffers),
+        any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules()),
+        bool(getattr(ddp, "static_graph", False)),
+    )
+    ddp.reducer, ddp.logger = reducer, logger  # (the reducer keeps the placeholder)
 
 
 def stock_ddp_ignored_names(ddp: Any) -> set[str]:
@@ -532,6 +553,8 @@ _REQUIRED = (
     ("torch.nn.parallel.distributed", "DistributedDataParallel._pre_forward"),
     ("torch.nn.parallel.distributed", "DistributedDataParallel._post_forward"),
     ("torch.nn.parallel.distributed", "DistributedDataParallel._remove_autograd_hooks"),
+    ("torch.distributed", "Reducer"),
+    ("torch.distributed", "Logger"),
     ("torch.nn.parallel.distributed", "DistributedDataParallel._register_builtin_comm_hook"),
     ("torch.nn.parallel.distributed", "_to_kwargs"),
     ("torch._dynamo.utils", "get_optimize_ddp_mode"),

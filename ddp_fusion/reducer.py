@@ -45,10 +45,21 @@ from . import _torch, verify
 class _Bucket:
     params: list[int]  # parameter indices, in bucket order
     offsets: list[int]
-    buffer: torch.Tensor  # flat; in the communication dtype unless .grad are views of it
+    numel: int
+    dtype: torch.dtype  # the communication dtype, unless .grad are views of the buffer
+    device: torch.device
     pending: int = 0
     work: dist.Work | None = None
     sent: torch.Tensor | None = None  # what was all-reduced, if not ``buffer`` itself
+    _buffer: torch.Tensor | None = None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The flat bucket, allocated when first used: a model that only ever runs
+        compiled (fused in the graph) never holds it."""
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return self._buffer
 
 
 class EagerReducer:
@@ -107,8 +118,7 @@ class EagerReducer:
                 n += self.local[i].numel()
             p0 = self.local[members[0]]
             dtype = p0.dtype if self.gradient_as_bucket_view else self.comm_dtype or p0.dtype
-            buffer = torch.zeros(n, dtype=dtype, device=p0.device)
-            self.buckets.append(_Bucket(members, offsets, buffer))
+            self.buckets.append(_Bucket(members, offsets, n, dtype, p0.device))
         if self.gradient_as_bucket_view:
             self._point_grads_at_buckets()
 
@@ -221,7 +231,7 @@ class EagerReducer:
                 "give every rank at least one batch"
             )
         works = [
-            dist.all_reduce(torch.zeros_like(b.buffer, dtype=self.comm_dtype or b.buffer.dtype),
+            dist.all_reduce(torch.zeros(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device),
                             group=self.group, async_op=True)
             for b in self.buckets
         ]

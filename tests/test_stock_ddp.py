@@ -67,6 +67,21 @@ def test_adopted_torch_ddp_takes_its_bucket_arguments_and_group(enabled):
     assert DDP(_net(), bucket_cap_mb=3)._ddp_fusion.reducer.limits == ddp_bucket_limits(3, None)
 
 
+def test_adopted_torch_ddp_holds_no_bucket_memory(enabled):
+    """Issue 15: the C++ reducer torch DDP built holds a bucket buffer for every
+    gradient; adopted, it is replaced by one over a one-element placeholder (the
+    gradients are reduced by ddp_fusion), and the eager reducer's buckets are made only
+    if the model ever runs uncompiled. The model's parameters and torch's logging data
+    are unchanged."""
+    net = _net()
+    ddp = DDP(net)
+    held = sum(b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets())
+    assert held == 1
+    assert [p for p in ddp.parameters()] == [p for p in net.parameters()]
+    assert ddp._get_ddp_logging_data()["module_name"] == "Sequential"
+    assert all(b._buffer is None for b in ddp._ddp_fusion.reducer.buckets)
+
+
 def test_torch_ddp_built_before_the_flag_keeps_torchs_reducer(fake_pg):
     ddp = DDP(_net())
     assert not hasattr(ddp, "_ddp_fusion")
