@@ -43,6 +43,27 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup | None:
         return None
 
 
+def register_process_group(name: str, group: dist.ProcessGroup) -> None:
+    """Make ``group`` resolvable by ``name`` (functional collectives name groups)."""
+    torch._C._distributed_c10d._register_process_group(name, group)
+
+
+def is_future(x: Any) -> bool:
+    """A ``torch.futures.Future``, or the C++ future that its ``then`` returns."""
+    return isinstance(x, torch._C.Future)
+
+
+def group_timeout(group: dist.ProcessGroup) -> Any:
+    """The timeout (a ``datetime.timedelta``) of ``group``'s backend, or torch's default
+    for a group that does not say (a Python process group)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or no options
+            continue
+    return dist.default_pg_timeout
+
+
 def compute_bucket_assignment_by_size(
     tensors: list[torch.Tensor], limits: list[int], tensor_indices: list[int]
 ) -> list[list[int]]:
@@ -549,6 +570,8 @@ _REQUIRED = (
     ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
     ("torch._inductor.custom_graph_pass", "get_hash_for_files"),
     ("torch", "_C._distributed_c10d._resolve_process_group"),
+    ("torch", "_C._distributed_c10d._register_process_group"),
+    ("torch", "_C.Future"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.nn.parallel.distributed", "DistributedDataParallel._pre_forward"),
     ("torch.nn.parallel.distributed", "DistributedDataParallel._post_forward"),

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _install, _torch, ready_order
+from . import _install, _torch, comm_hooks, ready_order
 from . import join as _join
 from .config import config
 from .ops import ALL_REDUCE_GRADIENT, REDUCE_OPS
@@ -102,7 +102,9 @@ class _SyncState:
         # eager DDP's require_forward_param_sync: sync buffers at the next forward
         self.forward_param_sync = True
         self.forwarded = False
-        self.comm_hook: str | None = None
+        self.comm_hook: str | None = None  # the registered comm hook's name
+        # "avg", or comm_hooks.HOOK: the model's comm hook reduces its buckets
+        self.reduce_op = "avg"
         # join(divide_by_initial_world_size=...) of the current join context (join.py)
         self.join_divide_by_initial = True
 
@@ -125,7 +127,7 @@ def _make_hook(
             grad = _torch.local_tensor(param.grad)
             ready = -1 if state.ready_position is None else state.ready_position[index]
             reduced = ALL_REDUCE_GRADIENT(
-                grad, group_name, "avg", limits, name, state.comm_dtype, ready, owner
+                grad, group_name, state.reduce_op, limits, name, state.comm_dtype, ready, owner
             )
             # The reduced gradient becomes .grad (fused: a view of its bucket's
             # buffer), rather than being copied into the old one: no copy back.
@@ -279,7 +281,9 @@ class GradSync:
         self.reducer = EagerReducer(
             params, group, limits, comm_dtype, find_unused_parameters, gradient_as_bucket_view
         )
-        owner_id = _owner_id(self.names, group.group_name)
+        owner_id = self.owner_id = _owner_id(self.names, group.group_name)
+        self.params = params
+        self.hook: comm_hooks.CommHook | None = None
         self.handles = [
             p.register_post_accumulate_grad_hook(
                 _make_hook(self.state, self.reducer, i, group.group_name, limits, n, owner_id)
@@ -328,31 +332,33 @@ class GradSync:
         return _join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     def register_comm_hook(self, hook_state: object, hook: Any, who: str) -> None:
-        """torch DDP's ``register_comm_hook`` for the hooks that are a communication
-        dtype on fused buckets (allreduce, fp16 and bf16 compression); others raise."""
-        name = getattr(hook, "__qualname__", repr(hook))
+        """torch DDP's ``register_comm_hook``. torch's allreduce, fp16 and bf16
+        compression hooks over the model's own group become the fused buckets'
+        communication dtype (a cast in the graph); any other hook is called on each
+        bucket (comm_hooks.py)."""
+        if not callable(hook):
+            raise TypeError(f"{who}.register_comm_hook: hook must be callable, got {hook!r}")
+        name = getattr(hook, "__qualname__", None) or repr(hook)
         roles = {fn: role for role, fn in _torch.stock_ddp_comm_hooks().items()}
-        if hook not in roles:
-            raise NotImplementedError(
-                f"{who}.register_comm_hook: {name} is not supported on a ddp_fusion model "
-                "yet; only torch's allreduce_hook, fp16_compress_hook and "
-                "bf16_compress_hook (which become the fused buckets' communication dtype) "
-                "are. To run this hook, use torch.nn.parallel.DistributedDataParallel "
-                "built while ddp_fusion.config.enabled is off (torch's eager reducer)"
-            )
-        if hook_state is not None and hook_state is not self.group:
+        own_group = hook_state is self.group or (
+            hook_state is None and self.group is dist.group.WORLD
+        )
+        if hook in roles and own_group:
+            self._set_comm_dtype(_HOOK_DTYPES[roles[hook]], name, who)
+            return
+        self._claim_hook(name, who)
+        if self.state.comm_dtype is not None:
             raise ValueError(
-                f"{who}.register_comm_hook: {name}'s state must be None or the model's own "
-                f"process group; got {hook_state!r}. A fused model reduces over its "
-                "process group only"
+                f"{who}.register_comm_hook: the model was given comm_dtype "
+                f"{self.state.comm_dtype}, and {name} reduces the buckets itself; give one "
+                "(wrap the hook in torch's fp16_compress_wrapper / bf16_compress_wrapper "
+                "to communicate in a lower precision)"
             )
-        if hook_state is None and self.group is not dist.group.WORLD:
-            raise ValueError(
-                f"{who}.register_comm_hook: with state=None torch's {name} reduces over "
-                "the default (world) group, but this model's process group is another; "
-                "pass the model's process group as state"
-            )
-        self._set_comm_dtype(_HOOK_DTYPES[roles[hook]], name, who)
+        self.hook = comm_hooks.CommHook(hook_state, hook, self.group, self.params, who)
+        comm_hooks.register(self.owner_id, self.hook)
+        self.state.comm_hook = name
+        self.state.reduce_op = comm_hooks.HOOK
+        self.reducer.set_comm_hook(self.hook)
 
     def register_builtin_comm_hook(self, kind: Any, who: str) -> None:
         dtypes = {
@@ -364,25 +370,29 @@ class GradSync:
         self._set_comm_dtype(dtypes[kind], str(kind), who)
 
     def _set_comm_dtype(self, dtype: torch.dtype | None, name: str, who: str) -> None:
+        self._claim_hook(name, who)
+        state = self.state
+        if state.comm_dtype is not None and dtype is not None and dtype != state.comm_dtype:
+            raise ValueError(
+                f"{who}: {name} reduces in {dtype} but the model was given comm_dtype "
+                f"{state.comm_dtype}"
+            )
+        state.comm_hook = name
+        if dtype is not None:
+            state.comm_dtype = dtype
+            self.reducer.set_comm_dtype(dtype)
+
+    def _claim_hook(self, name: str, who: str) -> None:
         state = self.state
         if state.comm_hook is not None:
             raise RuntimeError(
                 f"{who}: a comm hook ({state.comm_hook}) is already registered; torch DDP "
                 "takes one comm hook per model"
             )
-        if state.comm_dtype is not None and dtype is not None and dtype != state.comm_dtype:
-            raise ValueError(
-                f"{who}: {name} reduces in {dtype} but the model was given comm_dtype "
-                f"{state.comm_dtype}"
-            )
         if state.forwarded:
             raise RuntimeError(
                 f"{who}: register the comm hook ({name}) before the model's first forward"
             )
-        state.comm_hook = name
-        if dtype is not None:
-            state.comm_dtype = dtype
-            self.reducer.set_comm_dtype(dtype)
 
 
 @torch.no_grad()

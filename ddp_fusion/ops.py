@@ -19,7 +19,8 @@ import torch.distributed as dist
 from . import _torch
 
 REDUCE_OPS = ("avg", "sum")
-"""``avg``: divide by the group size, then sum (DDP's mean). ``sum``: sum only."""
+"""``avg``: divide by the group size, then sum (DDP's mean). ``sum``: sum only. (The
+hooks also tag ``"hook"``: the model's comm hook reduces the bucket, comm_hooks.py.)"""
 
 
 @torch.library.custom_op("ddp_fusion::all_reduce_gradient", mutates_args=(), tags=_torch.CUDAGRAPH_UNSAFE)
@@ -38,6 +39,12 @@ def _all_reduce_gradient(
     # (the order eager DDP buckets in), or -1 if unknown (the pass then uses graph
     # order). owner: the wrapper whose hook made the call (its gradients never share a
     # bucket with another wrapper's, as two eager DDP models never do), or -1.
+    if reduce_op == "hook":
+        raise RuntimeError(
+            f"ddp_fusion: gradient {name!r} of a model with a comm hook reached its "
+            "all-reduce unfused (the pass could not fuse it, or did not run on this graph; "
+            "see the 'unfused' warning); a comm hook runs on fused buckets only"
+        )
     group = _torch.resolve_process_group(group_name)
     if group is None:
         raise RuntimeError(

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ class _Bucket:
     pending: int = 0
     work: dist.Work | None = None
     sent: torch.Tensor | None = None  # what was all-reduced, if not ``buffer`` itself
+    flight: Any = None  # the comm hook's call on this bucket (comm_hooks.py)
     _buffer: torch.Tensor | None = None
 
     @property
@@ -81,9 +83,14 @@ class EagerReducer:
         self.comm_dtype = comm_dtype
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.hook: Any = None  # a comm_hooks.CommHook: it reduces each bucket
         self.rebuilt = False
         self._build(list(reversed(range(len(self.params)))))
         self._backward_id: int | None = None
+
+    def set_comm_hook(self, hook: Any) -> None:
+        """A comm hook registered before the first backward: it reduces each bucket."""
+        self.hook = hook
 
     def set_comm_dtype(self, dtype: torch.dtype) -> None:
         """A comm hook registered before the first backward: reduce in ``dtype``."""
@@ -146,7 +153,7 @@ class EagerReducer:
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
         for b in self.buckets:
             b.pending = len(b.params)
-            b.work = None
+            b.work = b.flight = None
         _torch.queue_backward_callback(self._finish_backward)
 
     def grad_ready(self, index: int) -> None:
@@ -173,6 +180,11 @@ class EagerReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
+            if self.hook is not None:  # unscaled, in the parameters' dtype
+                names = [self.names[i] for i in bucket.params]
+                bucket.flight = self.hook.start(self._next, len(self.buckets), bucket.buffer, names)
+                self._next += 1
+                continue
             sent = bucket.buffer
             if self.comm_dtype is not None and sent.dtype != self.comm_dtype:
                 sent = bucket.sent = sent.to(self.comm_dtype)
@@ -192,7 +204,11 @@ class EagerReducer:
         if self.find_unused_parameters:
             dist.all_reduce(used, group=self.group)
         for bucket in self.buckets:
-            bucket.work.wait()
+            if bucket.flight is not None:
+                flight, bucket.flight = bucket.flight, None
+                self.hook.finish(flight)
+            else:
+                bucket.work.wait()
             if bucket.sent is not None:
                 bucket.buffer.copy_(bucket.sent)
                 bucket.sent = None
@@ -230,7 +246,12 @@ class EagerReducer:
                 "which the uncompiled reducer settles its buckets with the other ranks; "
                 "give every rank at least one batch"
             )
-        works = [
+        if self.hook is not None:  # torch DDP runs the hook on buckets of zeros
+            for i, b in enumerate(self.buckets):
+                zeros = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+                self.hook.finish(self.hook.start(i, len(self.buckets), zeros,
+                                                 [self.names[j] for j in b.params]))
+        works = [] if self.hook is not None else [
             dist.all_reduce(torch.zeros(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device),
                             group=self.group, async_op=True)
             for b in self.buckets

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _torch
+from . import _torch, comm_hooks
 
 log = logging.getLogger("ddp_fusion")
 
@@ -87,6 +87,8 @@ def plan_check_start(group_name: str, plan: str, device: torch.device) -> torch.
     all-gather of the plan's hash, one int64 per rank, sized by the live group. Returns
     a token for :func:`plan_guard`, which finishes the check."""
     group = _group(group_name)
+    if plan not in _hooks_ready:
+        _ensure_hook_groups(plan, group)
     if _needs_exchange(group):
         _publish(plan)
         mine = torch.full((1,), _plan_hash(plan), dtype=torch.int64, device=device)
@@ -118,7 +120,7 @@ def plan_guard(
         work.wait()
         if not bool((everyone[everyone != JOINED] == mine).all()):
             raise PlanMismatchError(_describe_mismatch(group_name, _plans_of(everyone, plan)))
-    scale = divisor(group) if reduce_op == "avg" else 1
+    scale = divisor(group) if reduce_op == "avg" else 1  # "sum"; "hook": the hook scales
     return torch.full((), scale, dtype=torch.float32, device=device)
 
 
@@ -129,6 +131,21 @@ def _(token, group_name, plan, reduce_op, device):
 
 PLAN_CHECK_START = torch.ops.ddp_fusion.plan_check_start.default
 PLAN_GUARD = torch.ops.ddp_fusion.plan_guard.default
+
+
+_hooks_ready: set[str] = set()
+
+
+def _ensure_hook_groups(plan: str, group: dist.ProcessGroup) -> None:
+    """Register the bucket groups of the plan's hooked buckets (comm_hooks.py), once
+    per plan: a graph served from Inductor's cache was not compiled in this process."""
+    names: dict[int, list[list[str]]] = {}
+    for b in json.loads(plan):
+        if "hook" in b:
+            names.setdefault(b["hook"][0], []).append(b["grads"])
+    for owner, buckets in names.items():
+        comm_hooks.ensure_groups(owner, buckets, group)
+    _hooks_ready.add(plan)
 
 
 def _needs_exchange(group: dist.ProcessGroup) -> bool:
@@ -168,11 +185,17 @@ def shadow_plan(group: dist.ProcessGroup, device: torch.device) -> None:
             f"run {len(hashes)} different bucket plans; this joined rank cannot shadow them"
         )
     store = _torch.default_store()
-    buckets = json.loads(store.get(f"ddp_fusion/plan/{hashes[0]}").decode())
+    plan = store.get(f"ddp_fusion/plan/{hashes[0]}").decode()
+    if plan not in _hooks_ready:
+        _ensure_hook_groups(plan, group)
     funcol = _torch.c10d_functional
-    for b in buckets:
+    for b in json.loads(plan):
         dtype = _DTYPES[b.get("comm_dtype", b["dtype"])]
-        if b["algorithm"] == "coalesced":
+        if "hook" in b:  # the model's comm hook, on a bucket of zeros (as torch DDP)
+            flat = torch.zeros(sum(b["numels"]), dtype=dtype, device=device)
+            name = comm_hooks.group_name(*b["hook"][:2])
+            funcol.wait_tensor(funcol.all_reduce(flat, "sum", name))
+        elif b["algorithm"] == "coalesced":
             zeros = [torch.zeros(n, dtype=dtype, device=device) for n in b["numels"]]
             for t in funcol.all_reduce_coalesced(zeros, "sum", group.group_name):
                 funcol.wait_tensor(t)

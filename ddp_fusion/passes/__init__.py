@@ -30,14 +30,14 @@ from typing import Any
 import torch.fx
 from torch.fx.node import map_arg
 
-from .. import _torch, dump
+from .. import _torch, comm_hooks, dump
 from ..config import config
 from ._graph import NodeMaker
 from .bucketing import Bucket, plan_buckets
 from .coalesced import fuse_coalesced
 from .collectives import Unfused, find_gradient_all_reduces
 from .concat import fuse_concat
-from .guard import insert_plan_guards, place_guards
+from .guard import hook_numbering, insert_plan_guards, place_guards
 from .schedule import sink_waits
 
 __all__ = ["FusionResult", "fuse_ddp_allreduces"]
@@ -105,8 +105,8 @@ def fuse_ddp_allreduces(
     result.buckets = plan_buckets(graph, grads)
     make = NodeMaker(graph)
     guards = insert_plan_guards(make, result.buckets, algorithm)
+    hooked = _hook_groups(result.buckets)
     order = {node: i for i, node in enumerate(graph.nodes)}
-    fuse = _FUSERS[algorithm]
     fused = []
     anchor_at = -1  # graph position of the node the previous bucket was placed after
     for bucket in result.buckets:
@@ -118,7 +118,11 @@ def fuse_ddp_allreduces(
         else:
             after = fused[-1].tails[-1][-1]  # the end of the previous bucket's nodes
         key = bucket.key
-        fused.append(fuse(make, bucket, after, guards[key.group_name, key.reduce_op, key.device]))
+        guard = guards[key.group_name, key.reduce_op, key.device]
+        if id(bucket) in hooked:  # the model's comm hook reduces it (comm_hooks.py)
+            fused.append(fuse_concat(make, bucket, after, guard, hooked[id(bucket)]))
+        else:
+            fused.append(_FUSERS[algorithm](make, bucket, after, guard))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})
     # A reader of an early gradient in a bucket may sit before the bucket's collective
     # (never in a compiled backward, where readers are the final copy_ into .grad, but
@@ -133,6 +137,25 @@ def fuse_ddp_allreduces(
     if dump_dir:
         result.dump_stem = dump.write(dump_dir, before, dump.graph_code(graph), result.plan())
     return result
+
+
+def _hook_groups(buckets: list[Bucket]) -> dict[int, str]:
+    """Bucket (by ``id``) -> the group its flat buffer goes to, for buckets a comm hook
+    reduces; registers those groups (a graph served from the FX graph cache registers
+    them when its plan check first runs: verify.py)."""
+    numbering = hook_numbering(buckets)
+    names: dict[int, list[list[str]]] = {}
+    model_group: dict[int, str] = {}
+    for b in buckets:
+        if id(b) in numbering:
+            owner = numbering[id(b)][0]
+            names.setdefault(owner, []).append([g.label for g in b.grads])
+            model_group[owner] = b.key.group_name
+    for owner, buckets_names in names.items():
+        comm_hooks.ensure_groups(
+            owner, buckets_names, _torch.resolve_process_group(model_group[owner])
+        )
+    return {key: comm_hooks.group_name(owner, i) for key, (owner, i, _) in numbering.items()}
 
 
 def _replace_all(graph: torch.fx.Graph, new: dict[torch.fx.Node, torch.fx.Node]) -> None:

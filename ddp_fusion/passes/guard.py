@@ -23,15 +23,33 @@ import json
 import torch
 import torch.fx
 
+from ..comm_hooks import HOOK
 from ..verify import PLAN_CHECK_START, PLAN_GUARD
 from ._graph import NodeMaker
 from .bucketing import Bucket
 
 
+def hook_numbering(buckets: list[Bucket]) -> dict[int, tuple[int, int, int]]:
+    """For each bucket a comm hook reduces (by ``id``): (model, index, count), the
+    bucket's number among its model's buckets in plan order, as the hook sees it
+    (``bucket.index()``, ``bucket.is_last()``)."""
+    per_owner: dict[int, list[Bucket]] = {}
+    for b in buckets:
+        if b.key.reduce_op == HOOK:
+            per_owner.setdefault(b.key.owner, []).append(b)
+    return {
+        id(b): (owner, i, len(same))
+        for owner, same in per_owner.items()
+        for i, b in enumerate(same)
+    }
+
+
 def plan_fingerprint(buckets: list[Bucket], group_name: str, algorithm: str) -> str:
     """The group's part of the plan: identical on every rank exactly when the ranks'
     collectives for this group match (device index left out: it differs by rank), and
-    enough to replay them (a joined rank does: join.py)."""
+    enough to replay them (a joined rank does: join.py) and to find each hooked
+    bucket's group (comm_hooks.py)."""
+    hooks = hook_numbering(buckets)
     return json.dumps(
         [
             {
@@ -40,7 +58,8 @@ def plan_fingerprint(buckets: list[Bucket], group_name: str, algorithm: str) -> 
                 "reduce_op": b.key.reduce_op,
                 **({"comm_dtype": str(b.key.comm_dtype)} if b.key.comm_dtype else {}),
                 "bytes": b.nbytes,
-                "algorithm": algorithm,
+                "algorithm": "concat" if id(b) in hooks else algorithm,
+                **({"hook": list(hooks[id(b)])} if id(b) in hooks else {}),
                 "numels": [g.numel for g in b.grads],
                 "grads": [g.label for g in b.grads],
             }
