@@ -106,22 +106,31 @@ def test_register_comm_hook_maps_torchs_compress_hooks_to_a_comm_dtype(enabled):
     assert other._ddp_fusion.state.comm_dtype == torch.float16
 
 
-def test_register_comm_hook_refuses_what_it_cannot_honour(enabled):
+def test_register_comm_hook_takes_any_hook_and_refuses_what_it_cannot_honour(enabled):
+    """Issue 14: any hook is called on the buckets; torch's compress hooks become a
+    communication dtype only over the model's own group (else they run as hooks)."""
     ddp = DDP(_net())
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
-    with pytest.raises(NotImplementedError, match=r"powerSGD_hook is not supported.*"
-                                                  r"fp16_compress_hook.*built while ddp_fusion.config.enabled is off"):
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    sub = dist.new_group([0, 1])
-    with pytest.raises(ValueError, match=r"state must be None or the model's own process group"):
-        ddp.register_comm_hook(sub, default_hooks.fp16_compress_hook)
-    on_sub = DDP(_net(), process_group=sub)
-    with pytest.raises(ValueError, match=r"state=None.*world.*pass the model's process group"):
-        on_sub.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    on_sub.register_comm_hook(sub, default_hooks.fp16_compress_hook)  # its own group: fine
-    ddp(torch.randn(2, 8))
-    with pytest.raises(RuntimeError, match="before the model's first forward"):
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    assert ddp._ddp_fusion.hook.state is state and ddp._ddp_fusion.state.reduce_op == "hook"
+    with pytest.raises(RuntimeError, match="already registered"):
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    sub = dist.new_group([0, 1])
+    on_world = DDP(_net())
+    on_world.register_comm_hook(sub, default_hooks.fp16_compress_hook)  # another group
+    assert on_world._ddp_fusion.hook is not None and on_world._ddp_fusion.state.comm_dtype is None
+    on_sub = DDP(_net(), process_group=sub)
+    on_sub.register_comm_hook(sub, default_hooks.fp16_compress_hook)  # its own group
+    assert on_sub._ddp_fusion.hook is None and on_sub._ddp_fusion.state.comm_dtype == torch.float16
+    with pytest.raises(TypeError, match="hook must be callable"):
+        DDP(_net()).register_comm_hook(None, "fp16")
+    used = DDP(_net())
+    used(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="before the model's first forward"):
+        used.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    with pytest.raises(ValueError, match="given comm_dtype.*give one"):
+        ddp_fusion.DistributedDataParallel(_net(), comm_dtype=torch.float16).register_comm_hook(
+            state, powerSGD_hook.powerSGD_hook)
 
 
 def test_refusals_name_the_setting(enabled):
