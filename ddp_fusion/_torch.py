@@ -8,7 +8,8 @@ torch 2.13 (``TESTED_TORCH``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -468,6 +469,22 @@ def disable_compiled_autograd() -> AbstractContextManager[None]:
     return compiled_autograd._disable()
 
 
+@contextlib.contextmanager
+def run_compiled_code_eagerly() -> Iterator[None]:
+    """torch.compile'd functions called inside the block run their Python eagerly (no
+    compile, no cached compiled code): ``torch.compiler.set_stance("force_eager")``,
+    which torch refuses to set while Dynamo traces (the ready order is learned while
+    Dynamo traces the wrapper's forward), so the stance is set directly."""
+    from torch._dynamo import eval_frame
+
+    prior = eval_frame._stance
+    eval_frame._stance = eval_frame.DynamoStance("force_eager")
+    try:
+        yield
+    finally:
+        eval_frame._stance = prior
+
+
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward pass has finished (call from a hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
@@ -566,6 +583,8 @@ _REQUIRED = (
     ("torch._dynamo.compiled_autograd", "AutogradCompilerInstance"),
     ("torch._dynamo.compiled_autograd", "maybe_clone"),
     ("torch._dynamo.comptime", "comptime"),
+    ("torch._dynamo.eval_frame", "_stance"),
+    ("torch._dynamo.eval_frame", "DynamoStance"),
     ("torch", "_TorchCompileInductorWrapper"),
     ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
     ("torch._inductor.custom_graph_pass", "get_hash_for_files"),

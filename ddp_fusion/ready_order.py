@@ -52,7 +52,9 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
 
     saved = _snapshot(module)
     try:
-        with _torch.disable_compiled_autograd(), torch.enable_grad():
+        # compiled code inside the model (a torch.compile'd submodule, Lightning's
+        # compiled training_step) runs eagerly here: compiled, it cannot take fake tensors
+        with _torch.disable_compiled_autograd(), torch.enable_grad(), _torch.run_compiled_code_eagerly():
             state: dict[str, torch.Tensor] = {}
             for n, p in module.named_parameters():
                 f = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)

@@ -111,3 +111,45 @@ def test_gradients_of_a_wrapper_that_never_learned_are_reported(caplog):
     assert counters["ddp_fusion"]["ready order: graph's"] == 1
     assert counters["ddp_fusion"]["buckets"] == 1  # still fused
     assert any("carry no ready order" in r.message for r in caplog.records)
+
+
+class CompiledInside(torch.nn.Module):
+    """A torch.compile'd submodule and function inside the model (Lightning compiles a
+    LightningModule's training_step, which its DDP then calls)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.compile(torch.nn.Linear(8, 8))
+        self.act = torch.compile(lambda x: torch.tanh(x) * 2)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_compiled_code_inside_the_model_runs_eagerly_in_the_fake_run(compiled):
+    """Before, the fake run called the inner functions' compiled code with fake tensors:
+    uncompiled wrapper, the order was not learned (a warning); compiled wrapper, the
+    compiled kernel read fake data and the process segfaulted. The subprocess keeps a
+    crash from taking the test run with it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.distributed as dist, ddp_fusion\n"
+        "from ddp_fusion import _torch\n"
+        "from test_ready_order import CompiledInside\n"
+        "dist.init_process_group('fake', store=_torch.fake_store(), rank=0, world_size=2)\n"
+        "ddp_fusion.config.enabled = True\n"
+        "wrapper = ddp_fusion.DistributedDataParallel(CompiledInside())\n"
+        f"model = torch.compile(wrapper) if {compiled} else wrapper\n"
+        "model(torch.randn(4, 8)).sum().backward()\n"
+        "print(wrapper._state.ready_position, dict(_torch.counters()['ddp_fusion']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=__import__("os").path.dirname(__file__))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("(3, 2, 1, 0) "), proc.stdout  # eager autograd's order
+    assert "ready order: graph's" not in proc.stdout, proc.stdout
