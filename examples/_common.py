@@ -12,8 +12,10 @@ from torch.profiler import profile
 BUCKET_CAP_MB = 0.03  # small, so the 4-layer model below has several buckets
 
 
-def parse_args(doc: str) -> argparse.Namespace:
+def parse_args(doc: str, extra=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc)
+    if extra is not None:
+        extra(parser)
     parser.add_argument("--mode", choices=["fused", "eager"], default="fused",
                         help="fused: ddp_fusion on + torch.compile; eager: neither (torch's eager DDP)")
     parser.add_argument("--steps", type=int, default=4)
