@@ -49,6 +49,20 @@ def register_process_group(name: str, group: dist.ProcessGroup) -> None:
     torch._C._distributed_c10d._register_process_group(name, group)
 
 
+def ensure_group_name(group: dist.ProcessGroup) -> str:
+    """``group``'s name, as functional collectives (and ddp_fusion's graphs) name groups.
+    A group made outside ``torch.distributed.new_group`` may have none (torchft's
+    ``ProcessGroupDummy``, which its DDP is built on): it gets one, and is registered
+    under it."""
+    try:
+        return group.group_name
+    except (RuntimeError, ValueError):  # "ProcessGroup name not set"
+        name = f"ddp_fusion_unnamed_{id(group)}"
+        group._set_group_name(name)
+        register_process_group(name, group)
+        return name
+
+
 def is_future(x: Any) -> bool:
     """A ``torch.futures.Future``, or the C++ future that its ``then`` returns."""
     return isinstance(x, torch._C.Future)

@@ -252,6 +252,7 @@ class GradSync:
         gradient_as_bucket_view: bool = False,
     ) -> None:
         _check_not_hooked(params, who)
+        _torch.ensure_group_name(group)
         if gradient_as_bucket_view:
             for name, p in params:
                 if _torch.is_dtensor(p):
