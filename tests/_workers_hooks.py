@@ -199,3 +199,41 @@ def bad_hooks(rank, world_size):
                     error = (type(e).__name__, str(e))
                 out[name, compiled] = (error, time.monotonic() - start)
     return out
+
+
+def join_with_hook(rank, world_size):
+    """``join()`` with a comm hook (rank 0: 4 batches, rank 1: 2): a joined rank runs the
+    hook on buckets of zeros, as torch DDP does. Parameters against torch DDP's
+    ``join()`` with the same hook, and the hook calls per step on each rank, uncompiled
+    and compiled."""
+    base = mlp3()
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, WIDTH, generator=gen) for _ in range((4, 2)[rank])]
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    def run(model, ddp):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with ddp.join():
+            for x in batches:
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+        return [p.detach().clone() for p in ddp.module.parameters()]
+
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_SEVERAL)
+    ref.register_comm_hook(None, counting)
+    want = run(ref, ref)
+    out = {"torch_calls": len(calls)}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        calls.clear()
+        with ddp_fusion.config.patch(enabled=compiled):
+            ddp = ddp_fusion.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_SEVERAL)
+            ddp.register_comm_hook(None, counting)
+            got = run(torch.compile(ddp) if compiled else ddp, ddp)
+        out[compiled] = {"max_diff": _max_diff(got, want), "calls": len(calls)}
+    return out

@@ -84,3 +84,16 @@ def test_a_bad_hook_gets_an_error_naming_it_and_the_bucket(bad, name, compiled):
     assert "bucket 0" in message, message
     if name == "never_completes":
         assert "timeout" in message and 3 <= seconds < 30, (message, seconds)
+
+
+def test_join_runs_the_hook_on_zero_buckets_for_a_joined_rank():
+    """Rank 1 runs out after 2 of rank 0's 4 batches: in each of the last 2 steps it
+    calls the hook on 3 buckets of zeros (torch DDP's join does the same)."""
+    from _workers_hooks import join_with_hook
+
+    ranks = run_ranks(join_with_hook, world_size=2, timeout=900)
+    for r in ranks:
+        assert r[False]["max_diff"] == 0.0, r
+        assert r[True]["max_diff"] < 1e-6, r
+        for compiled in (False, True):
+            assert r[compiled]["calls"] == 4 * 3, r  # 4 steps x 3 buckets on each rank
