@@ -207,6 +207,7 @@ class Mode:
     name = ""
     comm = True  # has gradient communication (compared with eager_ddp)
     compiled = True
+    reference = "eager_ddp"  # the mode whose parameters this one should reproduce
 
     def context(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -279,6 +280,8 @@ class DDPFusion(Mode):
         self.name = f"ddp_fusion_{algorithm}{suffix}"
         # an fp16 wire changes the numbers: compare it with eager DDP + fp16 hook
         self.comm = comm_dtype is None
+        if comm_dtype == torch.float16:
+            self.reference = "eager_ddp_fp16_hook"
 
     def context(self):
         stack = contextlib.ExitStack()
@@ -333,6 +336,60 @@ class EagerDDPFp16Hook(Mode):
         return ddp
 
 
+def _powersgd(rank: int) -> tuple[Any, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                               start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+    return state, psgd.powerSGD_hook
+
+
+def _waiting(hook: Any) -> Any:
+    """``hook``, finishing each bucket before returning: eager torch DDP on gloo issues
+    PowerSGD's chained all-reduces from gloo's threads, in an order that can differ
+    between ranks once there are several buckets (a hang; see
+    bench/results/comm_hooks_cpu_2026-11-24.md); this is the order ddp_fusion enforces."""
+    def waiting_hook(state, bucket):  # no annotations: torch DDP checks them
+        fut = hook(state, bucket)
+        fut.wait()
+        return fut
+    return waiting_hook
+
+
+class EagerDDPPowerSGD(Mode):
+    compiled = False
+    comm = False
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.name = f"eager_ddp_powersgd_r{rank}"
+
+    def wrap(self, model, cap, pg=None, **kw):
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, **kw)
+        state, hook = _powersgd(self.rank)
+        ddp.register_comm_hook(state, _waiting(hook))
+        return ddp
+
+
+class DDPFusionPowerSGD(Mode):
+    """torch's ``powerSGD_hook`` on ddp_fusion's fused buckets, compiled."""
+
+    comm = False
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.name = f"ddp_fusion_powersgd_r{rank}"
+        self.reference = f"eager_ddp_powersgd_r{rank}"
+
+    def context(self):
+        return ddp_fusion.config.patch(enabled=True, algorithm="concat")
+
+    def wrap(self, model, cap, pg=None, **kw):
+        ddp = ddp_fusion.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, **kw)
+        ddp.register_comm_hook(*_powersgd(self.rank))
+        return torch.compile(ddp)
+
+
 class ComputeOnly(Mode):
     name = "compute_only"
     comm = False
@@ -369,6 +426,10 @@ def all_modes() -> dict[str, Mode]:
         DDPFusionUncompiled(),
         EagerDDPFp16Hook(),
         DDPFusion("concat", torch.float16),
+        EagerDDPPowerSGD(1),
+        DDPFusionPowerSGD(1),
+        EagerDDPPowerSGD(4),
+        DDPFusionPowerSGD(4),
         ComputeOnly(),
         CommOnly(),
     ]
@@ -403,11 +464,13 @@ def _profile_step(step: Callable[[], None], device: str) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    with profile(activities=activities, record_shapes=True, profile_memory=True) as prof:
+    with profile(activities=activities, record_shapes=True, profile_memory=True) as prof, \
+            _python_all_reduces() as python_all_reduces:
         step()
         if device == "cuda":
             torch.cuda.synchronize()
     out: dict[str, Any] = {"collectives": {}, "bytes_reduced": 0, "copy_bytes": 0}
+    out["python_all_reduces"], out["python_bytes"] = len(python_all_reduces), sum(python_all_reduces)
     live = peak = 0
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
         if e.name.startswith(_COLLECTIVE_PREFIXES):
@@ -428,6 +491,24 @@ def _profile_step(step: Callable[[], None], device: str) -> dict[str, Any]:
     if device == "cuda":
         out["kernels"] = sum(1 for e in prof.events() for _ in e.kernels)
     return out
+
+
+@contextlib.contextmanager
+def _python_all_reduces() -> Iterator[list[int]]:
+    """Bytes of each ``dist.all_reduce`` call, from any thread: what comm hooks send
+    (PowerSGD's chained all-reduces are issued from gloo's threads, whose events this
+    thread's profiler does not always record)."""
+    sizes, original = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        sizes.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield sizes
+    finally:
+        dist.all_reduce = original
 
 
 _ITEMSIZE = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8, "long int": 8,

@@ -231,11 +231,12 @@ def _run_model_jobs(specs: list[tuple[str, str, Any]], rounds: int, steps: int, 
             p = guard(job, "params", lambda: job.ask("params"))
             if p is not None and p[0] is not None:
                 job.rec["_params"] = p
-                if job.mode == "eager_ddp":
-                    reference[(job.model, job.cap)] = p
+                reference[(job.model, job.cap, job.mode)] = p
+        modes = all_modes()
         for job in jobs:
             p = job.rec.pop("_params", None)
-            ref = reference.get((job.model, job.cap))
+            # eager DDP; for a mode with a comm hook, eager DDP with the same hook
+            ref = reference.get((job.model, job.cap, modes[job.mode].reference))
             if p is not None and ref is not None and job.mode not in BOUNDS:
                 # each rank against eager DDP's same rank (TP ranks hold different
                 # shards), and each rank against its DP peer on DP rank 0
@@ -278,7 +279,7 @@ def _table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[str, 
     eager = next((j.get("median_ms") for j in rows if j["mode"] == "eager_ddp"), None)
     head = (f"{'mode':<34}{'median ms':>10}{'p10-p90 ms':>16}{'min-max ms':>16}{'eff.':>6}"
             f"{'x eager':>8}{'all-reduces/step':>22}{'compile s':>10}"
-            f"{'max |dp| vs eager':>19}")
+            f"{'max |dp| vs ref':>19}")
     lines = [head, "-" * len(head)]
     summary: dict[str, Any] = {"bound_ms": bound, "bounds": bound_parts, "rows": {}}
     for j in rows:
@@ -312,7 +313,9 @@ def _table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[str, 
 def _bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: str) -> str:
     """Collectives and bytes per step (rank 0; one profiled step; MB = 1e6 bytes).
 
-    * reduced: bytes handed to the backend's collectives (profiler events);
+    * on wire: bytes handed to the backend's all-reduces (profiler events; with a comm
+      hook, its ``dist.all_reduce`` calls from any thread: PowerSGD issues some from
+      gloo's threads, which the profiler does not always see);
     * fusion copy: bytes written by ``cat`` nodes feeding a collective in the lowered
       backward graph (compiled modes; an upper bound, Inductor can compute a cat input
       straight into the bucket);
@@ -321,7 +324,7 @@ def _bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: 
       coalesced all-reduce); copies inside Inductor kernels are invisible to it;
     * peak: highest bytes allocated during the step and not yet freed.
     """
-    head = (f"{'mode':<34}{'all-reduces':>12}{'MB reduced':>12}{'MB fusion copy':>16}"
+    head = (f"{'mode':<34}{'all-reduces':>12}{'MB on wire':>12}{'MB fusion copy':>16}"
             f"{'MB eager copies':>17}{'peak MB':>9}" + (f"{'kernels':>9}" if device == "cuda" else ""))
     lines = [head, "-" * len(head)]
     for j in jobs.values():
@@ -329,10 +332,14 @@ def _bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: 
             continue
         prof = j["profile"][0]
         graph = prof.get("graph")
-        n = sum(prof["collectives"].values())
+        n, wire = sum(prof["collectives"].values()), prof["bytes_reduced"]
+        if prof.get("python_all_reduces"):  # a comm hook's: all of them, from any thread
+            n = prof["python_all_reduces"] + sum(v for k, v in prof["collectives"].items()
+                                                 if not k.endswith("all_reduce"))
+            wire = prof["python_bytes"]
         fusion = f"{graph['fusion_copy_bytes'] / 1e6:.2f}" if graph else "-"
         lines.append(
-            f"{j['mode']:<34}{n:>12}{prof['bytes_reduced'] / 1e6:>12.2f}{fusion:>16}"
+            f"{j['mode']:<34}{n:>12}{wire / 1e6:>12.2f}{fusion:>16}"
             f"{prof['copy_bytes'] / 1e6:>17.2f}{prof['peak_bytes'] / 1e6:>9.1f}"
             + (f"{prof.get('kernels', 0):>9}" if device == "cuda" else ""))
     return "\n".join(lines)
