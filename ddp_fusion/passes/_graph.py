@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -44,15 +45,14 @@ class NodeMaker:
             fake_args, fake_kwargs = tree_map_only(
                 torch.Tensor, self._from_tensor, (fake_args, fake_kwargs)
             )
-        if target is torch.ops.aten.view.default and not fake_kwargs:
-            node.meta["val"] = _torch.fake_view(self.mode, *fake_args)
-            return node
-        shortcut = _SHORTCUTS.get(target)
-        with self.mode:
-            if shortcut is not None and not fake_kwargs:
-                node.meta["val"] = shortcut(*fake_args)
-            else:
-                node.meta["val"] = target(*fake_args, **fake_kwargs)
+        val = None
+        if not fake_kwargs and not self._convert:
+            shortcut = _SHORTCUTS.get(target)
+            val = shortcut(self.mode, target, *fake_args) if shortcut is not None else None
+        if val is None:
+            with self.mode:
+                val = target(*fake_args, **fake_kwargs)
+        node.meta["val"] = val
         return node
 
     def _from_tensor(self, t: torch.Tensor) -> torch.Tensor:
@@ -70,29 +70,64 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return order
 
 
-def _scale(x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
-    # div by a 0-d float32 tensor: a floating ``x`` keeps its dtype (a 0-d tensor does
-    # not promote a dimensioned one of the same category)
-    if not x.is_floating_point() or divisor.dim() != 0 or not divisor.is_floating_point():
-        return torch.div(x, divisor)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+# Fake-tensor propagation is most of the pass's cost (a few nodes per gradient). The
+# nodes the pass makes per gradient or bucket get their values without fake dispatch:
+# views are computed on the meta data (_torch.fake_view_op), fresh results are new fake
+# tensors of the shape, strides and dtype the op's meta function gives. A shortcut
+# returns None where it does not apply; the node then goes through fake dispatch.
+_Shortcut = Callable[..., Any]
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if any(t.dim() != 1 or t.dtype != tensors[0].dtype for t in tensors):
-        return torch.cat(tensors)
-    return tensors[0].new_empty(sum(t.numel() for t in tensors))
+def _view(mode: Any, op: Any, base: Any, *args: Any) -> Any:
+    return _torch.fake_view_op(mode, op, base, *args)
 
 
-# Fake-tensor propagation is most of the pass's cost (a few nodes per gradient). Views
-# skip fake dispatch (_torch.fake_view, same storage as under dispatch); the other
-# nodes the pass makes per gradient or bucket get the fresh tensors their meta
-# functions would return, made directly instead of through fake dispatch.
-_SHORTCUTS: dict[Any, Callable[..., torch.Tensor]] = {
-    torch.ops._c10d_functional.all_reduce.default: lambda x, *_: torch.empty_like(
-        x, memory_format=torch.contiguous_format
-    ),
-    torch.ops._c10d_functional.wait_tensor.default: lambda x: torch.empty_like(x),
-    torch.ops.aten.div.Tensor: _scale,
-    torch.ops.aten.cat.default: _cat,
+def _getitem(mode: Any, op: Any, seq: Any, i: Any) -> Any:
+    return seq[i] if isinstance(seq, (list, tuple)) else None
+
+
+def _scale(mode: Any, op: Any, x: Any, divisor: Any) -> Any:
+    # div by the guard's 0-d float32 tensor: a floating ``x`` keeps its dtype (a 0-d
+    # tensor does not promote a dimensioned one of the same category)
+    if not (isinstance(x, torch.Tensor) and isinstance(divisor, torch.Tensor) and x.is_floating_point()
+            and divisor.dim() == 0 and divisor.is_floating_point() and x.is_contiguous()):
+        return None
+    return _torch.fake_empty(mode, x)
+
+
+def _scale_all(mode: Any, op: Any, xs: Any, divisor: Any) -> Any:
+    # _foreach_div promotes some low-precision tensors by a float32 divisor (see
+    # coalesced.py); the shortcut takes only tensors of the divisor's dtype
+    if not (isinstance(divisor, torch.Tensor) and divisor.dim() == 0
+            and all(x.dtype == divisor.dtype and x.is_contiguous() for x in xs)):
+        return None
+    return [_torch.fake_empty(mode, x) for x in xs]
+
+
+def _cat(mode: Any, op: Any, tensors: Any, dim: int = 0) -> Any:
+    if dim != 0 or any(t.dim() != 1 or t.dtype != tensors[0].dtype for t in tensors):
+        return None
+    return _torch.fake_empty(mode, tensors[0], numel=sum(t.numel() for t in tensors))
+
+
+def _fresh_contiguous(mode: Any, op: Any, x: Any, *args: Any) -> Any:
+    return _torch.fake_empty(mode, x) if x.is_contiguous() else None
+
+
+def _convert(mode: Any, op: Any, x: Any, dtype: Any) -> Any:
+    return _torch.fake_empty(mode, x, dtype) if x.is_contiguous() else None
+
+
+_aten = torch.ops.aten
+_SHORTCUTS: dict[Any, _Shortcut] = {
+    _aten.view.default: _view,
+    _aten.permute.default: _view,
+    _aten.split_with_sizes.default: _view,
+    operator.getitem: _getitem,
+    _aten.div.Tensor: _scale,
+    _aten._foreach_div.Tensor: _scale_all,
+    _aten.cat.default: _cat,
+    torch.ops._c10d_functional.all_reduce.default: _fresh_contiguous,
+    torch.ops._c10d_functional.wait_tensor.default: _fresh_contiguous,
+    torch.ops.prims.convert_element_type.default: _convert,
 }
