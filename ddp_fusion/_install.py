@@ -43,7 +43,7 @@ from .passes import fuse_ddp_allreduces
 _SOURCES = tuple(str(p) for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
 _CustomGraphPass = _torch.custom_graph_pass_base()
 # Settings that change what the pass does (the others change what runs around it).
-_PASS_SETTINGS = ("algorithm", "schedule_waits", "dump_dir")
+_PASS_SETTINGS = ("algorithm", "schedule_waits", "max_in_flight_mb", "dump_dir")
 
 
 class FuseDDPAllReduces(_CustomGraphPass):

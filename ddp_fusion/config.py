@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,6 +45,13 @@ class Config:
     compute overlaps communication, and compile compiled-autograd backward graphs with
     Inductor's ``reorder_for_peak_memory`` off (it would move the waits back up).
     False waits right after issuing. Env: ``DDP_FUSION_SCHEDULE_WAITS``."""
+
+    max_in_flight_mb: float | None = 5120.0
+    """With ``schedule_waits``: at most this many MiB of bucket collectives in flight
+    (issued, not yet waited for) at once; before a bucket is issued that would exceed
+    it, the oldest buckets are waited for (as upstream's overlap scheduler bounds
+    ``max_in_flight_gb``). None: no bound. Env: ``DDP_FUSION_MAX_IN_FLIGHT_MB``
+    (a number, or ``none``)."""
 
     dump_dir: str | None = None
     """Write ``<stem>.before.txt``, ``<stem>.after.txt`` and ``<stem>.buckets.json`` here
@@ -126,6 +134,17 @@ def _dump_dir(name: str, value: Any) -> str | None:
     return value
 
 
+def _megabytes(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value <= 0):
+        raise ValueError(
+            f"ddp_fusion.config.{name} must be a positive number of MiB or None, got {value!r}"
+        )
+    return float(value)
+
+
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMPILE_KWARGS = {
     "mode": lambda v: v in COMPILE_MODES,
@@ -156,6 +175,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "enabled": _bool,
     "algorithm": _algorithm,
     "schedule_waits": _bool,
+    "max_in_flight_mb": _megabytes,
     "dump_dir": _dump_dir,
     "backward_compile_kwargs": _compile_kwargs,
 }
@@ -186,6 +206,14 @@ def from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[st
         values["schedule_waits"] = _env_bool(
             "DDP_FUSION_SCHEDULE_WAITS", environ["DDP_FUSION_SCHEDULE_WAITS"]
         )
+    if "DDP_FUSION_MAX_IN_FLIGHT_MB" in environ:
+        var, raw = "DDP_FUSION_MAX_IN_FLIGHT_MB", environ["DDP_FUSION_MAX_IN_FLIGHT_MB"].strip()
+        try:
+            values["max_in_flight_mb"] = None if raw.lower() == "none" else _megabytes(
+                "max_in_flight_mb", float(raw))
+        except ValueError:
+            raise ValueError(f"environment variable {var} must be a positive number of MiB or "
+                             f"'none', got {raw!r}") from None
     if environ.get("DDP_FUSION_DUMP_DIR"):
         values["dump_dir"] = environ["DDP_FUSION_DUMP_DIR"]
     if environ.get("DDP_FUSION_BACKWARD_COMPILE_KWARGS"):

@@ -33,7 +33,8 @@ from ddp_fusion.config import Config, from_env
 @pytest.mark.parametrize(
     "name, value",
     [("enabled", 1), ("enabled", "yes"), ("algorithm", "ring"), ("schedule_waits", None),
-     ("dump_dir", 3), ("dump_dir", "")],
+     ("dump_dir", 3), ("dump_dir", ""), ("max_in_flight_mb", 0), ("max_in_flight_mb", "5"),
+     ("max_in_flight_mb", float("inf"))],
 )
 def test_bad_value_names_the_setting(name, value):
     with pytest.raises(ValueError, match=f"^ddp_fusion.config.{name} must be "):
@@ -54,6 +55,8 @@ def test_unknown_setting():
         ({"DDP_FUSION_ALGORITHM": "coalesced"}, {"algorithm": "coalesced"}),
         ({"DDP_FUSION_SCHEDULE_WAITS": "0"}, {"schedule_waits": False}),
         ({"DDP_FUSION_DUMP_DIR": "/tmp/d"}, {"dump_dir": "/tmp/d"}),
+        ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "64"}, {"max_in_flight_mb": 64.0}),
+        ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "None"}, {"max_in_flight_mb": None}),
         ({}, {}),
     ],
 )
@@ -65,7 +68,8 @@ def test_env(env, expected):
     "env, var",
     [({"DDP_FUSION": "maybe"}, "DDP_FUSION"),
      ({"DDP_FUSION_ALGORITHM": "tree"}, "DDP_FUSION_ALGORITHM"),
-     ({"DDP_FUSION_SCHEDULE_WAITS": "2"}, "DDP_FUSION_SCHEDULE_WAITS")],
+     ({"DDP_FUSION_SCHEDULE_WAITS": "2"}, "DDP_FUSION_SCHEDULE_WAITS"),
+     ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "-1"}, "DDP_FUSION_MAX_IN_FLIGHT_MB")],
 )
 def test_bad_env_names_the_variable(env, var):
     with pytest.raises(ValueError, match=var):

@@ -123,6 +123,39 @@ def forward(self, x_1, w1_1, w2_1):
         FileCheck().check("all_reduce.default").check("mul_1").check("wait_tensor").run(gm.code)
 
 
+def three_buckets(x):
+    """Three 64-byte gradients, each its own bucket (cap 32 bytes), compute between."""
+    out = []
+    for i in range(3):
+        x = x * 2
+        out.append(ddp_fusion.all_reduce_gradient(x + i, name=f"g{i}", bucket_cap_mb=32 / 2**20))
+    return out
+
+
+@pytest.mark.usefixtures("fake_pg")
+class TestInFlightBudget:
+    """``max_in_flight_mb`` bounds the bytes of collectives issued and not yet waited
+    for (issue 15): over budget, the oldest bucket is waited for before the next one is
+    issued; a bucket larger than the budget still goes, alone."""
+
+    def order(self, budget_bytes):
+        gm = trace(three_buckets, torch.randn(16))
+        budget = None if budget_bytes is None else budget_bytes / 2**20
+        fuse(gm, algorithm="concat", max_in_flight_mb=budget)
+        return [n.name.split("_default")[0] for n in gm.graph.nodes
+                if n.target in (C10D.all_reduce.default, C10D.wait_tensor.default)]
+
+    def test_unbounded_all_waits_after_all_issues(self):
+        assert self.order(None) == ["all_reduce"] * 3 + ["wait_tensor"] * 3
+
+    def test_room_for_two_buckets(self):
+        assert self.order(128) == ["all_reduce", "all_reduce", "wait_tensor", "all_reduce",
+                                   "wait_tensor", "wait_tensor"]
+
+    def test_a_bucket_over_the_budget_goes_alone(self):
+        assert self.order(16) == ["all_reduce", "wait_tensor"] * 3
+
+
 @pytest.mark.usefixtures("fake_pg")
 class TestWhatIsFused:
     @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])

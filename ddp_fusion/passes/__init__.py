@@ -33,7 +33,7 @@ from torch.fx.node import map_arg
 from .. import _torch, comm_hooks, dump
 from ..config import config
 from ._graph import NodeMaker
-from .bucketing import Bucket, plan_buckets
+from .bucketing import MiB, Bucket, plan_buckets
 from .coalesced import fuse_coalesced
 from .collectives import Unfused, find_gradient_all_reduces
 from .concat import fuse_concat
@@ -45,6 +45,7 @@ __all__ = ["FusionResult", "fuse_ddp_allreduces"]
 log = logging.getLogger("ddp_fusion")
 
 _FUSERS = {"concat": fuse_concat, "coalesced": fuse_coalesced}
+_CONFIG = object()  # "take it from ddp_fusion.config"
 _warned: set[str] = set()
 
 
@@ -84,10 +85,12 @@ def fuse_ddp_allreduces(
     algorithm: str | None = None,
     schedule_waits: bool | None = None,
     dump_dir: str | None = None,
+    max_in_flight_mb: float | None | object = _CONFIG,
 ) -> FusionResult:
     """Bucket and fuse the tagged gradient all-reduces of a post-grad ``graph`` in place.
 
-    Arguments left as None come from ``ddp_fusion.config``. Returns what was done.
+    Arguments left as None (``max_in_flight_mb``: not given) come from
+    ``ddp_fusion.config``. Returns what was done.
     """
     algorithm = config.algorithm if algorithm is None else algorithm
     if algorithm not in _FUSERS:
@@ -130,7 +133,8 @@ def fuse_ddp_allreduces(
     _torch.stable_topological_sort(graph)
     place_guards(graph, list(guards.values()))
     if schedule_waits:
-        sink_waits(graph, fused)
+        budget = config.max_in_flight_mb if max_in_flight_mb is _CONFIG else max_in_flight_mb
+        sink_waits(graph, fused, None if budget is None else int(budget * MiB))
     graph.lint()
 
     _record(result)

@@ -4,8 +4,9 @@ A fused collective is inserted right after the last gradient of its bucket is co
 (concat.py, coalesced.py), with its wait and unpacking ("tail") right behind it. This
 pass moves every tail to just before the first node that reads its result, so the
 backward compute between the two runs while the collective is in flight. In a compiled
-backward the readers are the final ``copy_`` into ``.grad``, so all waits gather at the
-end of the graph.
+backward the readers are the graph's outputs (the reduced gradients), so all waits gather
+at the end of the graph, unless ``config.max_in_flight_mb`` bounds the bytes in flight:
+then a bucket's wait moves no later than the issue of the bucket that would exceed it.
 
 Before::                                 After::
 
@@ -13,11 +14,12 @@ Before::                                 After::
     red = wait_tensor(red)                   ... rest of backward ...
     parts = split_with_sizes(red)            red = wait_tensor(red)
     ... rest of backward ...                 parts = split_with_sizes(red)
-    copy_(p_grad, parts[0])                  copy_(p_grad, parts[0])
+    return (view(parts[0]), ...)             return (view(parts[0]), ...)
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch.fx
@@ -36,13 +38,20 @@ class FusedBucket:
     """The reduced gradients, one per ``bucket.grads``."""
 
 
-def sink_waits(graph: torch.fx.Graph, fused: list[FusedBucket]) -> None:
-    """Move each tail to just before the first reader of any of its nodes."""
+def sink_waits(graph: torch.fx.Graph, fused: list[FusedBucket], max_in_flight: int | None = None) -> None:
+    """Move each tail to just before the first reader of any of its nodes, but with at
+    most ``max_in_flight`` bytes of collectives issued and not yet waited for: before a
+    bucket is issued that would exceed it, the oldest buckets still in flight are
+    waited for (a bucket larger than the budget goes alone). ``fused`` is in issue
+    order."""
     order = {node: i for i, node in enumerate(graph.nodes)}
+    deadline = _deadlines(fused, max_in_flight)
     for fb in fused:
         for tail in fb.tails:
             members = set(tail)
             readers = [u for n in tail for u in n.users if u not in members]
+            if fb.collective in deadline:
+                readers.append(deadline[fb.collective])
             if not readers:
                 continue
             first = min(readers, key=order.__getitem__)
@@ -50,3 +59,29 @@ def sink_waits(graph: torch.fx.Graph, fused: list[FusedBucket]) -> None:
             # so the indices stay valid for later comparisons.
             for node in tail:
                 first.prepend(node)
+
+
+def _deadlines(fused: list[FusedBucket], budget: int | None) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Collective -> the collective of the later bucket before which it must be waited
+    for, so that the bytes in flight stay within ``budget``."""
+    if budget is None:
+        return {}
+    deadline: dict[torch.fx.Node, torch.fx.Node] = {}
+    in_flight: collections.deque[tuple[torch.fx.Node, int]] = collections.deque()
+    total = 0
+    for fb in fused:
+        nbytes = _bytes(fb.collective)
+        while in_flight and total + nbytes > budget:
+            done, done_bytes = in_flight.popleft()
+            deadline[done] = fb.collective
+            total -= done_bytes
+        in_flight.append((fb.collective, nbytes))
+        total += nbytes
+    return deadline
+
+
+def _bytes(collective: torch.fx.Node) -> int:
+    """Bytes a collective sends: its input(s)."""
+    inputs = collective.args[0]
+    vals = [n.meta["val"] for n in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+    return sum(v.numel() * v.element_size() for v in vals)
