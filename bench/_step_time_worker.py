@@ -15,6 +15,7 @@ another.
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 import traceback
 import unittest.mock
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import profile
+from torch.profiler import profile, record_function
 
 import ddp_fusion
 from bench import _hf_models
@@ -268,15 +269,23 @@ class UpstreamPythonReducer(Mode):
 class DDPFusion(Mode):
     """``peak_memory_reorder``: ddp_fusion as it was before it turned Inductor's
     peak-memory reordering off for the backward graph (which pulls each bucket's wait
-    up to its collective), to measure what that costs."""
+    up to its collective), to measure what that costs. ``copy_back``: ddp_fusion's
+    concat as it was before issue 15 (each reduced gradient copied back into the old
+    ``.grad``; the bucket scaled into a second buffer), emulated by
+    :func:`_copy_back_concat`. ``max_in_flight_mb``: ddp_fusion's in-flight budget."""
 
     def __init__(self, algorithm: str, comm_dtype: torch.dtype | None = None,
-                 peak_memory_reorder: bool = False) -> None:
+                 peak_memory_reorder: bool = False, copy_back: bool = False,
+                 max_in_flight_mb: float | None = None) -> None:
         self.algorithm = algorithm
         self.comm_dtype = comm_dtype
         self.peak_memory_reorder = peak_memory_reorder
+        self.copy_back = copy_back
+        self.max_in_flight_mb = max_in_flight_mb
         suffix = f"_{str(comm_dtype).removeprefix('torch.')}" if comm_dtype else ""
         suffix += "_peak_memory_reorder" if peak_memory_reorder else ""
+        suffix += "_copy_back" if copy_back else ""
+        suffix += f"_inflight_{max_in_flight_mb:g}mb" if max_in_flight_mb else ""
         self.name = f"ddp_fusion_{algorithm}{suffix}"
         # an fp16 wire changes the numbers: compare it with eager DDP + fp16 hook
         self.comm = comm_dtype is None
@@ -286,6 +295,10 @@ class DDPFusion(Mode):
     def context(self):
         stack = contextlib.ExitStack()
         stack.enter_context(ddp_fusion.config.patch(enabled=True, algorithm=self.algorithm))
+        if self.max_in_flight_mb:
+            stack.enter_context(ddp_fusion.config.patch(max_in_flight_mb=self.max_in_flight_mb))
+        if self.copy_back:
+            stack.enter_context(_copy_back_concat())
         if self.peak_memory_reorder:
             stack.enter_context(unittest.mock.patch.object(
                 ddp_fusion._torch, "inductor_options_keeping_node_order", dict))
@@ -295,6 +308,72 @@ class DDPFusion(Mode):
         return torch.compile(
             ddp_fusion.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap, comm_dtype=self.comm_dtype, **kw)
         )
+
+
+@contextlib.contextmanager
+def _copy_back_concat() -> Iterator[None]:
+    """ddp_fusion's concat before issue 15 (commit 17a3314), for same-run comparisons:
+    the hook copies the reduced gradient into the old ``.grad`` (a copy back), and the
+    fuser scales the concatenated bucket into a second buffer. Patched in for the
+    duration (the hooks are made when the wrapper is built)."""
+    from ddp_fusion import ddp as ddp_module
+    from ddp_fusion import passes
+    from ddp_fusion.ops import ALL_REDUCE_GRADIENT
+    from ddp_fusion.passes import concat
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+
+    def make_hook(state, reducer, index, group_name, limits, name, owner):
+        def reduce_grad(param):
+            if not state.require_backward_grad_sync or param.grad is None:
+                return
+            if torch.compiler.is_compiling():
+                ready = -1 if state.ready_position is None else state.ready_position[index]
+                reduced = ALL_REDUCE_GRADIENT(param.grad, group_name, state.reduce_op, limits, name,
+                                              state.comm_dtype, ready, owner)
+                param.grad.copy_(reduced)
+                return
+            reducer.grad_ready(index)
+        return reduce_grad
+
+    def fuse(make, bucket, after, divisor, group_name=None):
+        key = bucket.key
+        with make.graph.inserting_before(after.next):
+            flats = [concat._flatten(make, g) for g in bucket.grads]
+            flat = make(aten.cat.default, (flats,))
+            if key.comm_dtype is not None:
+                flat = make(torch.ops.prims.convert_element_type.default, (flat, key.comm_dtype))
+            flat = make(aten.div.Tensor, (flat, divisor))
+            collective = make(c10d.all_reduce.default, (flat, "sum", group_name or key.group_name))
+            tail = [make(c10d.wait_tensor.default, (collective,))]
+            if key.comm_dtype is not None:
+                tail.append(make(torch.ops.prims.convert_element_type.default, (tail[-1], key.dtype)))
+            parts = make(aten.split_with_sizes.default, (tail[-1], [g.numel for g in bucket.grads]))
+            tail.append(parts)
+            outputs = []
+            for i, g in enumerate(bucket.grads):
+                out = make(operator.getitem, (parts, i))
+                tail.append(out)
+                for node in concat._unflatten(make, g, out):
+                    tail.append(node)
+                    out = node
+                outputs.append(out)
+        return FusedBucket(bucket, collective, [tail], outputs)
+
+    from ddp_fusion.passes.schedule import FusedBucket
+
+    with unittest.mock.patch.object(ddp_module, "_make_hook", make_hook), \
+            unittest.mock.patch.dict(passes._FUSERS, {"concat": fuse}):
+        yield
+
+
+class EagerDDPGradView(Mode):
+    name = "eager_ddp_grad_view"
+    compiled = False
+
+    def wrap(self, model, cap, pg=None, **kw):
+        return nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=cap,
+                                                   gradient_as_bucket_view=True, **kw)
 
 
 class DDPFusionStock(Mode):
@@ -422,6 +501,10 @@ def all_modes() -> dict[str, Mode]:
         DDPFusion("concat"),
         DDPFusion("coalesced"),
         DDPFusion("concat", peak_memory_reorder=True),
+        DDPFusion("concat", copy_back=True),
+        DDPFusion("concat", max_in_flight_mb=1),
+        DDPFusion("concat", torch.float16, max_in_flight_mb=1),
+        EagerDDPGradView(),
         DDPFusionStock(),
         DDPFusionUncompiled(),
         EagerDDPFp16Hook(),
@@ -442,8 +525,9 @@ def all_modes() -> dict[str, Mode]:
 _COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
 
 
-def _profile_step(step: Callable[[], None], device: str) -> dict[str, Any]:
-    """Run one step under ``torch.profiler`` and measure what it communicated and copied.
+def _profile_step(step: TrainStep, device: str) -> dict[str, Any]:
+    """Run one step (zero_grad outside the profiler) and measure what it communicated,
+    copied and held.
 
     * ``collectives``: backend events (``gloo:*`` / ``nccl:*``) by name;
     * ``bytes_reduced``: numel x element size of those events' inputs;
@@ -452,21 +536,28 @@ def _profile_step(step: Callable[[], None], device: str) -> dict[str, Any]:
       fill and empty, gloo's flattening of a coalesced all-reduce), not the ones inside
       kernels (addmm copies its bias into the output) and not those Inductor generates
       (see ``_graph_stats``);
-    * ``peak_bytes``: on CPU, the highest total of allocations made during the step and
-      not yet freed (profiler memory events); on CUDA, ``max_memory_allocated`` above
-      what was allocated when the step began;
+    * ``held_bytes``: after zero_grad, the bytes the job holds between steps
+      (:func:`_held_bytes`: parameters, gradients, optimizer state, buffers, reducer
+      buckets);
+    * ``rise_bytes``: on CPU, the highest total of allocations made during the rest of
+      the step and not yet freed (profiler memory events); on CUDA,
+      ``max_memory_allocated`` above what was allocated when it began;
+    * ``peak_bytes``: ``held_bytes + rise_bytes``, the step's peak (on CPU frees of
+      memory allocated before the profiler started are not seen: an upper bound);
     * ``kernels`` (CUDA only): GPU kernels launched.
     """
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    step.zero_grad()
+    held = _held_bytes(step)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     with profile(activities=activities, record_shapes=True, profile_memory=True) as prof, \
             _python_all_reduces() as python_all_reduces:
-        step()
+        step.rest()
         if device == "cuda":
             torch.cuda.synchronize()
     out: dict[str, Any] = {"collectives": {}, "bytes_reduced": 0, "copy_bytes": 0}
@@ -487,7 +578,9 @@ def _profile_step(step: Callable[[], None], device: str) -> dict[str, Any]:
             if e.name() == "[memory]":
                 live += e.nbytes()
                 peak = max(peak, live)
-    out["peak_bytes"] = torch.cuda.max_memory_allocated() - base if device == "cuda" else peak
+    out["rise_bytes"] = torch.cuda.max_memory_allocated() - base if device == "cuda" else peak
+    out["held_bytes"] = held
+    out["peak_bytes"] = held + out["rise_bytes"]
     if device == "cuda":
         out["kernels"] = sum(1 for e in prof.events() for _ in e.kernels)
     return out
@@ -509,6 +602,48 @@ def _python_all_reduces() -> Iterator[list[int]]:
         yield sizes
     finally:
         dist.all_reduce = original
+
+
+def _held_bytes(step: TrainStep) -> int:
+    """Bytes of the tensors a job keeps between steps: parameters, gradients, optimizer
+    state, buffers (each storage once: gradients that are views of one bucket count
+    once), and reducer buckets: torch DDP's C++ reducer's (unless its ``.grad`` are views
+    of them), ddp_fusion's eager reducer's (allocated on first use)."""
+    model = step.model
+    if model is None:
+        return 0
+    storages: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for b in model.buffers():
+        add(b)
+    for state in step.opt.state.values():
+        for v in state.values():
+            add(v)
+    inner = getattr(model, "_orig_mod", model)
+    extra = 0
+    if isinstance(inner, ddp_fusion.DistributedDataParallel) or hasattr(inner, "_ddp_fusion"):
+        sync = inner._sync if isinstance(inner, ddp_fusion.DistributedDataParallel) else inner._ddp_fusion
+        for bucket in sync.reducer.buckets:
+            add(bucket._buffer)
+        if hasattr(inner, "_ddp_fusion"):  # an adopted torch DDP: its placeholder reducer
+            extra += sum(b.buffer().numel() * b.buffer().element_size()
+                         for b in inner.reducer._get_zeros_like_grad_buckets())
+    elif isinstance(inner, nn.parallel.DistributedDataParallel) and not (
+            inner.gradient_as_bucket_view and any(p.grad is not None for p in model.parameters())):
+        # (with gradient_as_bucket_view, .grad are views of the buckets: counted above,
+        # unless zero_grad(set_to_none=True) dropped them, while the buckets stay)
+        extra += sum(b.buffer().numel() * b.buffer().element_size()
+                     for b in inner.reducer._get_zeros_like_grad_buckets())
+    return sum(storages.values()) + extra
 
 
 _ITEMSIZE = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8, "long int": 8,
@@ -563,8 +698,21 @@ def _graph_stats(graph: torch.fx.Graph) -> dict[str, int]:
         return any(u.target in collectives or (depth > 1 and feeds_collective(u, depth - 1))
                    for u in n.users)
 
-    stats = {"collectives": 0, "bytes_reduced": 0, "fusion_copy_bytes": 0}
+    def reduced(n: Any, depth: int = 6) -> bool:
+        """``n`` is (a view of) a collective's result."""
+        if not isinstance(n, torch.fx.Node) or depth == 0:
+            return False
+        if n.target is torch.ops._c10d_functional.wait_tensor.default:
+            return True
+        return n.target in views and reduced(n.args[0], depth - 1)
+
+    views = {torch.ops.aten.view.default, torch.ops.aten.split_with_sizes.default,
+             torch.ops.aten.permute.default, torch.ops.aten.reshape.default,
+             torch.ops.aten.split.Tensor, operator.getitem}
+    stats = {"collectives": 0, "bytes_reduced": 0, "fusion_copy_bytes": 0, "copy_back_bytes": 0}
     for n in graph.nodes:
+        if n.target in (torch.ops.aten.copy_.default, torch.ops.aten.copy.default) and reduced(n.args[1]):
+            stats["copy_back_bytes"] += nbytes(n.args[1])
         if n.target in collectives:
             stats["collectives"] += 1
             arg = n.args[0]
@@ -590,29 +738,67 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:160]}"
 
 
-def _build(model_name: str, mode: Mode, cap: float | None, batches: list, device: str = "cpu"):
-    """``(step, model)`` for ``mode``; ``model`` is None for comm_only. DP x TP models
-    are data-parallel over their DP group only."""
+class TrainStep:
+    """One training step of a (model, mode) job, the loop that bench.step_time times and
+    profiles and bench.cost_model models: ``zero_grad`` (``set_to_none`` as given: torch's
+    default is True), forward and loss, backward, SGD step. Each phase is labelled for
+    the profiler (``step::<phase>``)."""
+
+    def __init__(self, model: nn.Module | None, opt: Any, batches: list, loss: Callable[..., Any],
+                 set_to_none: bool) -> None:
+        self.model, self.opt, self.batches, self.loss = model, opt, batches, loss
+        self.set_to_none = set_to_none
+        self.count = 0
+
+    def zero_grad(self) -> None:
+        with record_function("step::zero_grad"):
+            self.opt.zero_grad(set_to_none=self.set_to_none)
+
+    def rest(self) -> None:
+        """Everything after zero_grad."""
+        x, y = self.batches[self.count % len(self.batches)]
+        self.count += 1
+        with record_function("step::forward"):
+            loss = self.loss(x, y)
+        with record_function("step::backward"):
+            loss.backward()
+        with record_function("step::optimizer"):
+            self.opt.step()
+
+    def __call__(self) -> None:
+        self.zero_grad()
+        self.rest()
+
+
+class _CommOnlyStep(TrainStep):
+    def __init__(self, flat: torch.Tensor, group: Any) -> None:
+        super().__init__(None, None, [], lambda x, y: None, True)
+        self.flat, self.group = flat, group
+
+    def zero_grad(self) -> None:
+        pass
+
+    def rest(self) -> None:
+        dist.all_reduce(self.flat, group=self.group)
+
+
+def _build(model_name: str, mode: Mode, cap: float | None, batches: list, device: str = "cpu",
+           set_to_none: bool = True) -> TrainStep:
+    """The training step of ``mode`` (``step.model`` is None for comm_only). DP x TP
+    models are data-parallel over their DP group only."""
     dp, tp = dp_tp_groups(model_name)
     if isinstance(mode, CommOnly):
         numel = sum(p.numel() for p in make_model(model_name, tp).parameters())
-        flat = torch.randn(numel, device=device)
-        return (lambda: dist.all_reduce(flat, group=dp)), None
+        return _CommOnlyStep(torch.randn(numel, device=device), dp)
     spec = MODELS[model_name]
     model = mode.wrap(make_model(model_name, tp).to(device), cap, dp, **spec.get("ddp_kwargs", {}))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     batches = [(_to(x, device), _to(y, device)) for x, y in batches]
-    count = [0]
-
-    def step() -> None:
-        x, y = batches[count[0] % len(batches)]
-        count[0] += 1
-        opt.zero_grad(set_to_none=False)
-        loss = _hf_models.loss_of(model, x) if "hf" in spec else loss_fn(model_name, model(x), y)
-        loss.backward()
-        opt.step()
-
-    return step, model
+    if "hf" in spec:
+        loss = lambda x, y: _hf_models.loss_of(model, x)  # noqa: E731
+    else:
+        loss = lambda x, y: loss_fn(model_name, model(x), y)  # noqa: E731
+    return TrainStep(model, opt, batches, loss, set_to_none)
 
 
 def _to(x: Any, device: str) -> Any:
@@ -622,7 +808,8 @@ def _to(x: Any, device: str) -> Any:
 
 
 def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
-                cap: float | None, cmd_queues: list, res_queue: Any, device: str = "cpu") -> None:
+                cap: float | None, cmd_queues: list, res_queue: Any, device: str = "cpu",
+                set_to_none: bool = True) -> None:
     """One rank of one (model, mode, cap) job, kept alive between commands so that its
     compiled code survives while other jobs (other processes) are timed.
 
@@ -644,7 +831,8 @@ def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str,
         # its own graphs; compiled kernels are still cached across jobs.
         with torch._inductor.config.patch(compile_threads=1, fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False), mode.context():
-            step, model = _build(model_name, mode, cap, batches, device)
+            step = _build(model_name, mode, cap, batches, device, set_to_none)
+            model = step.model
             res_queue.put((rank, "ok", "ready"))
             while True:
                 cmd, arg = cmd_queues[rank].get()

@@ -211,15 +211,15 @@ def _timelines(prof: Any) -> list[dict[str, Any]]:
 
         inside = [e for e in evs if s0 <= e.start_ns() <= s1]
         on_main = [e for e in inside if e.start_thread_id() == main]
-        phases = {e.name()[4:]: (rel(e.start_ns()), rel(e.end_ns()))
-                  for e in on_main if e.name().startswith("cm::") and e.name() != "cm::step"}
+        phases = {e.name()[len("step::"):]: (rel(e.start_ns()), rel(e.end_ns()))
+                  for e in on_main if e.name().startswith("step::")}
         issues = _outermost([(rel(e.start_ns()), rel(e.end_ns())) for e in on_main if e.name() in ISSUE_OPS])
         waits = _outermost([(rel(e.start_ns()), rel(e.end_ns())) for e in on_main if e.name() in WAIT_OPS])
         colls = sorted((rel(e.start_ns()), rel(e.end_ns()), _nbytes(e.shapes(), e.dtypes()))
                        for e in inside if e.name().startswith(("gloo:", "nccl:")))
         copy_out = sorted(rel(e.start_ns()) for e in on_main if e.name() == COPY_OUT)
         busy = sorted((rel(e.start_ns()), rel(e.end_ns())) for e in on_main
-                      if not e.name().startswith("cm::"))
+                      if not e.name().startswith(("cm::", "step::")))
         gaps, cur = [], 0.0
         for s, e in busy:
             if s > cur + 0.02:
@@ -233,35 +233,20 @@ def _timelines(prof: Any) -> list[dict[str, Any]]:
 
 
 def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str, warmup: int,
-                timed: int, profiled: int) -> dict[str, Any]:
-    """One rank of one (model, mode): compile, time, profile. Same step as
-    bench/_step_time_worker._build (zero_grad, forward, loss, backward, SGD step), with
-    ``record_function`` labels for the phases."""
+                timed: int, profiled: int, set_to_none: bool = True) -> dict[str, Any]:
+    """One rank of one (model, mode): compile, time, profile. The step is
+    bench/_step_time_worker.TrainStep, the one bench/step_time times (zero_grad,
+    forward, loss, backward, SGD step, each phase labelled ``step::<phase>``)."""
     from torch.profiler import profile, record_function
 
-    from bench._step_time_worker import all_modes, loss_fn, make_batches, make_model
+    from bench._step_time_worker import _build, _profile_step, all_modes, make_batches
 
     torch.set_num_threads(1)
     torch._dynamo.reset()  # before the mode: reset() also turns compiled autograd off
     mode = all_modes()[mode_name]
     batches = make_batches(model_name, rank, 4)
     with torch._inductor.config.patch(compile_threads=1), mode.context():
-        model = mode.wrap(make_model(model_name), None, None)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        count = [0]
-
-        def step() -> None:
-            x, y = batches[count[0] % len(batches)]
-            count[0] += 1
-            with record_function("cm::zero_grad"):
-                opt.zero_grad(set_to_none=False)
-            with record_function("cm::forward"):
-                loss = loss_fn(model_name, model(x), y)
-            with record_function("cm::backward"):
-                loss.backward()
-            with record_function("cm::optimizer"):
-                opt.step()
-
+        step = _build(model_name, mode, None, batches, set_to_none=set_to_none)
         dist.barrier()
         t = time.perf_counter()
         for _ in range(warmup):
@@ -295,7 +280,10 @@ def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str, war
                 raise RuntimeError(f"{len(st['colls'])} collectives in a step, {len(sizes)} before")
             st["colls"] = [(s, e, b) for (s, e, _), b in zip(st["colls"], sizes)]
             steps.append(st)
-        return {"compile_s": compile_s, "times_ms": times, "steps": steps}
+        dist.barrier()
+        memory = _profile_step(step, "cpu")  # held and peak bytes (bench.step_time's measure)
+        return {"compile_s": compile_s, "times_ms": times, "steps": steps,
+                "held_bytes": memory["held_bytes"], "peak_bytes": memory["peak_bytes"]}
 
 
 # --------------------------------------------------------------------------- the model
@@ -466,7 +454,8 @@ def run_jobs(models: list[str], modes: list[str], cal: dict[str, Any], warmup: i
                 jobs[key] = {"model": model, "mode": mode, "failed": str(e)[-2000:]}
                 continue
             a.update(model=model, mode=mode, compile_s=max(r["compile_s"] for r in res),
-                     job_s=time.perf_counter() - t)
+                     job_s=time.perf_counter() - t, peak_mb=res[0]["peak_bytes"] / 1e6,
+                     held_mb=res[0]["held_bytes"] / 1e6)
             jobs[key] = a
             preds = ", ".join(f"{n} {p['pred_ms']:.1f} ms ({p['error_pct']:+.0f}%)" for n, p in a["pred"].items())
             _log(t0, f"{key}: warm-up {a['compile_s']:.0f} s; measured {a['measured_median_ms']:.1f} ms, "
@@ -507,6 +496,37 @@ def print_jobs(jobs: dict[str, Any]) -> None:
         if errs:
             print(f"{name} fit: largest |error| {max(errs):.0f}%, {sum(e <= 20 for e in errs)}/{len(errs)} "
                   f"jobs within +-20%")
+    print_exposed(jobs)
+
+
+def print_exposed(jobs: dict[str, Any]) -> None:
+    """The check that says most about the model: exposed communication (the part of the
+    step spent waiting for it), measured and modelled, per mode; and, next to each
+    mode's bucket issue positions, its peak memory (bench.step_time's measure)."""
+    print("\n== exposed communication: measured vs modelled (ms, medians over profiled steps) ==")
+    print("measured exposed = profiled step - compute (time blocked on communication, slower\n"
+          "rank); modelled = the replay's step - compute. error = modelled - measured, in ms and\n"
+          "in % of the measured step. ready: bucket issue positions, % of backward compute.")
+    head = (f"{'model':<6}{'mode':<40}{'measured':>9}" + "".join(f"{n + ' fit':>11}{'err ms':>8}{'err %':>7}" for n in FITS)
+            + f"{'peak MB':>9}  ready %")
+    print(head)
+    print("-" * (len(head) + 12))
+    within = {n: [] for n in FITS}
+    for j in jobs.values():
+        if "failed" in j:
+            continue
+        m = j["exposed_measured_ms"]
+        cells = ""
+        for n in FITS:
+            err = j["pred"][n]["exposed_ms"] - m
+            pct = 100 * err / j["measured_median_ms"]
+            within[n].append(abs(pct) <= 10)
+            cells += f"{j['pred'][n]['exposed_ms']:>11.1f}{err:>+8.1f}{pct:>+7.0f}"
+        ready = ",".join(f"{100 * f:.0f}" for f in j["ready_frac"][:8])
+        print(f"{j['model']:<6}{j['mode']:<40}{m:>9.1f}{cells}{j.get('peak_mb', float('nan')):>9.1f}  {ready}")
+    for n, ok in within.items():
+        if ok:
+            print(f"{n} fit: exposed communication within +-10% of the step for {sum(ok)}/{len(ok)} jobs")
 
 
 # =========================================================================== 3. projection

@@ -102,8 +102,10 @@ class JobFailed(Exception):
 class Job:
     """One (model, mode, cap) on its own rank processes, driven by commands."""
 
-    def __init__(self, model: str, mode: str, cap: Any, pg_timeout: float, device: str) -> None:
+    def __init__(self, model: str, mode: str, cap: Any, pg_timeout: float, device: str,
+                 set_to_none: bool = True) -> None:
         self.model, self.mode, self.cap, self.device = model, mode, cap, device
+        self.set_to_none = set_to_none
         self.key = f"{model}|{mode}|{cap}"
         self.world_size = world_size(model, device)
         ctx = mp.get_context("spawn")
@@ -119,7 +121,8 @@ class Job:
     def _run(self, pg_timeout: float) -> None:
         try:
             run_ranks(mode_worker, world_size=self.world_size,
-                      args=(self.model, self.mode, self.cap, self.cmd, self.res, self.device),
+                      args=(self.model, self.mode, self.cap, self.cmd, self.res, self.device,
+                            self.set_to_none),
                       timeout=10**6, threads_per_rank=1, pg_timeout=pg_timeout,
                       backend="nccl" if self.device == "cuda" else "gloo")
         except Exception as e:  # noqa: BLE001 - surfaced by _replies
@@ -173,9 +176,9 @@ def _stats(steps: list[float]) -> dict[str, float]:
 
 
 def _run_model_jobs(specs: list[tuple[str, str, Any]], rounds: int, steps: int, warmup: int,
-                    pg_timeout: float, device: str) -> dict[str, dict[str, Any]]:
+                    pg_timeout: float, device: str, set_to_none: bool = True) -> dict[str, dict[str, Any]]:
     """Compile every job once (one after the other), then time them round-robin."""
-    jobs = [Job(m, mode, cap, pg_timeout, device) for m, mode, cap in specs]
+    jobs = [Job(m, mode, cap, pg_timeout, device, set_to_none) for m, mode, cap in specs]
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -311,21 +314,25 @@ def _table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[str, 
 
 
 def _bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: str) -> str:
-    """Collectives and bytes per step (rank 0; one profiled step; MB = 1e6 bytes).
+    """Collectives, bytes and memory per step (rank 0; one profiled step; MB = 1e6 bytes).
 
     * on wire: bytes handed to the backend's all-reduces (profiler events; with a comm
       hook, its ``dist.all_reduce`` calls from any thread: PowerSGD issues some from
       gloo's threads, which the profiler does not always see);
-    * fusion copy: bytes written by ``cat`` nodes feeding a collective in the lowered
-      backward graph (compiled modes; an upper bound, Inductor can compute a cat input
-      straight into the bucket);
+    * copy in / copy back: in the lowered backward graph (compiled modes), bytes written
+      by ``cat`` nodes feeding a collective (the copy into a fused bucket; an upper
+      bound, Inductor can compute a cat input straight into the bucket), and by ``copy_``
+      nodes whose source is a collective's result (a reduced gradient copied into
+      ``.grad``);
     * eager copies: bytes of ``aten::copy_`` / ``aten::cat`` calls not inside another
       aten op (torch DDP's reducer filling and emptying buckets, gloo flattening a
       coalesced all-reduce); copies inside Inductor kernels are invisible to it;
-    * peak: highest bytes allocated during the step and not yet freed.
+    * held: bytes kept between steps, after zero_grad (parameters, gradients, optimizer
+      state, buffers, reducer buckets; each storage once);
+    * peak: held + the most allocated during the rest of the step and not yet freed.
     """
-    head = (f"{'mode':<34}{'all-reduces':>12}{'MB on wire':>12}{'MB fusion copy':>16}"
-            f"{'MB eager copies':>17}{'peak MB':>9}" + (f"{'kernels':>9}" if device == "cuda" else ""))
+    head = (f"{'mode':<34}{'all-reduces':>12}{'MB on wire':>12}{'MB copy in':>11}{'MB copy back':>13}"
+            f"{'MB eager copies':>17}{'held MB':>9}{'peak MB':>9}" + (f"{'kernels':>9}" if device == "cuda" else ""))
     lines = [head, "-" * len(head)]
     for j in jobs.values():
         if j["model"] != model or (j["cap"] != cap and j["mode"] not in BOUNDS) or "profile" not in j:
@@ -337,10 +344,11 @@ def _bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: 
             n = prof["python_all_reduces"] + sum(v for k, v in prof["collectives"].items()
                                                  if not k.endswith("all_reduce"))
             wire = prof["python_bytes"]
-        fusion = f"{graph['fusion_copy_bytes'] / 1e6:.2f}" if graph else "-"
+        copy_in = f"{graph['fusion_copy_bytes'] / 1e6:.2f}" if graph else "-"
+        copy_back = f"{graph['copy_back_bytes'] / 1e6:.2f}" if graph else "-"
         lines.append(
-            f"{j['mode']:<34}{n:>12}{wire / 1e6:>12.2f}{fusion:>16}"
-            f"{prof['copy_bytes'] / 1e6:>17.2f}{prof['peak_bytes'] / 1e6:>9.1f}"
+            f"{j['mode']:<34}{n:>12}{wire / 1e6:>12.2f}{copy_in:>11}{copy_back:>13}"
+            f"{prof['copy_bytes'] / 1e6:>17.2f}{prof['held_bytes'] / 1e6:>9.1f}{prof['peak_bytes'] / 1e6:>9.1f}"
             + (f"{prof.get('kernels', 0):>9}" if device == "cuda" else ""))
     return "\n".join(lines)
 
@@ -406,6 +414,9 @@ def main() -> None:
                         help="TORCHINDUCTOR_CACHE_DIR for the ranks (default: a fresh temp dir, "
                              "so every job compiles cold)")
     parser.add_argument("--pg-timeout", type=float, default=900.0)
+    parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
+                        help="each step's optimizer.zero_grad: set_to_none=True (none, torch's "
+                             "default) or False (zeros: .grad kept, gradients accumulated into it)")
     args = parser.parse_args()
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -448,6 +459,7 @@ def main() -> None:
         "layout": "one process pair per job, kept alive; jobs compiled one after another, "
                   "then timed round-robin (start rotated each round)",
         "warmup_steps": args.warmup,
+        "zero_grad_set_to_none": args.zero_grad == "none",
         "bucket_cap_mb": args.bucket_cap_mb,
         "sweep": caps if args.sweep else None,
         "inductor_cache_dir": cache_dir,
@@ -466,7 +478,7 @@ def main() -> None:
         print(f"\n{model}: {MODELS[model]['desc']} -- compiling {len(specs[model])} jobs one after "
               f"another, then timing them round-robin", flush=True)
         merged.update(_run_model_jobs(specs[model], rounds, steps, args.warmup, args.pg_timeout,
-                                      args.device))
+                                      args.device, args.zero_grad == "none"))
     meta["wall_s"] = time.perf_counter() - t0
 
     result: dict[str, Any] = {"meta": meta, "jobs": merged, "tables": {}}

@@ -138,22 +138,25 @@ class TestInFlightBudget:
     for (issue 15): over budget, the oldest bucket is waited for before the next one is
     issued; a bucket larger than the budget still goes, alone."""
 
-    def order(self, budget_bytes):
+    def order(self, budget_bytes, algorithm):
         gm = trace(three_buckets, torch.randn(16))
         budget = None if budget_bytes is None else budget_bytes / 2**20
-        fuse(gm, algorithm="concat", max_in_flight_mb=budget)
-        return [n.name.split("_default")[0] for n in gm.graph.nodes
-                if n.target in (C10D.all_reduce.default, C10D.wait_tensor.default)]
+        fuse(gm, algorithm=algorithm, max_in_flight_mb=budget)
+        issue = {C10D.all_reduce.default, C10D.all_reduce_coalesced.default}
+        return ["issue" if n.target in issue else "wait" for n in gm.graph.nodes
+                if n.target in issue or n.target is C10D.wait_tensor.default]
 
-    def test_unbounded_all_waits_after_all_issues(self):
-        assert self.order(None) == ["all_reduce"] * 3 + ["wait_tensor"] * 3
+    @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+    def test_unbounded_all_waits_after_all_issues(self, algorithm):
+        assert self.order(None, algorithm) == ["issue"] * 3 + ["wait"] * 3
 
-    def test_room_for_two_buckets(self):
-        assert self.order(128) == ["all_reduce", "all_reduce", "wait_tensor", "all_reduce",
-                                   "wait_tensor", "wait_tensor"]
+    @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+    def test_room_for_two_buckets(self, algorithm):
+        assert self.order(128, algorithm) == ["issue", "issue", "wait", "issue", "wait", "wait"]
 
-    def test_a_bucket_over_the_budget_goes_alone(self):
-        assert self.order(16) == ["all_reduce", "wait_tensor"] * 3
+    @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+    def test_a_bucket_over_the_budget_goes_alone(self, algorithm):
+        assert self.order(16, algorithm) == ["issue", "wait"] * 3
 
 
 @pytest.mark.usefixtures("fake_pg")

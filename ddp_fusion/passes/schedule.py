@@ -83,5 +83,8 @@ def _deadlines(fused: list[FusedBucket], budget: int | None) -> dict[torch.fx.No
 def _bytes(collective: torch.fx.Node) -> int:
     """Bytes a collective sends: its input(s)."""
     inputs = collective.args[0]
-    vals = [n.meta["val"] for n in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+    vals = []
+    for n in inputs if isinstance(inputs, (list, tuple)) else [inputs]:
+        val = n.meta["val"]  # a tensor, or (a _foreach op's) list of them
+        vals += val if isinstance(val, (list, tuple)) else [val]
     return sum(v.numel() * v.element_size() for v in vals)
