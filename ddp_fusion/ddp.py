@@ -8,8 +8,9 @@ the tagged ``ddp_fusion::all_reduce_gradient`` op and copies the result into ``.
 the pass then buckets and fuses those ops as eager DDP would have. Run eagerly, the hook
 hands the gradient to a Python bucketed reducer (reducer.py).
 
-Not supported (yet): comm hooks other than a communication dtype (torch's fp16/bf16
-compress hooks), sparse gradients, ``static_graph``. DTensor parameters (tensor parallelism on
+Comm hooks (``register_comm_hook``) run on the buckets (comm_hooks.py); torch's
+allreduce / fp16 / bf16 compress hooks over the model's group are a communication dtype
+instead. Not supported (yet): sparse gradients, ``static_graph``. DTensor parameters (tensor parallelism on
 another mesh dimension) have their local shards reduced over the data-parallel group.
 Under ``torch.compile``,
 ``find_unused_parameters`` covers parameters unused on every rank; one unused on some

@@ -14,9 +14,11 @@ constructor has run (its checks, the parameter broadcast, its C++ reducer):
   ``device_ids``, read ``require_backward_grad_sync`` (``no_sync()``; decided at
   forward, as eager DDP), learn the ready order once, broadcast buffers
   (``broadcast_buffers``);
-* ``register_comm_hook`` maps torch's allreduce / fp16 / bf16 compress hooks onto the
-  fused buckets' communication dtype and refuses other hooks; ``join()`` shadows the
-  fused buckets (join.py).
+* ``register_comm_hook`` maps torch's allreduce / fp16 / bf16 compress hooks over the
+  model's group onto the fused buckets' communication dtype, and calls any other hook
+  on each bucket (comm_hooks.py); ``join()`` shadows the fused buckets (join.py);
+* torch's C++ reducer is replaced by a placeholder (it held a bucket buffer for every
+  gradient, ``_torch.detach_cpp_reducer``).
 
 The instance's class becomes a subclass of its own (same name; ``isinstance`` holds),
 whose few overrides are in ``_torch.adopted_ddp_class``. A DDP adopted stays adopted

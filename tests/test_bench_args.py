@@ -60,6 +60,18 @@ def test_graph_stats_count_the_bucket_copy(fake_pg):
                 ddp_fusion.all_reduce_gradient(g2, dist.group.WORLD, name="w2"))
 
     gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4), torch.randn(6))
-    assert _graph_stats(gm.graph) == {"collectives": 2, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 0}
+    assert _graph_stats(gm.graph) == {"collectives": 2, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 0,
+                                      "copy_back_bytes": 0}
     fuse_ddp_allreduces(gm.graph, algorithm="concat")
-    assert _graph_stats(gm.graph) == {"collectives": 1, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 4 * 22}
+    assert _graph_stats(gm.graph) == {"collectives": 1, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 4 * 22,
+                                      "copy_back_bytes": 0}
+
+
+def test_graph_stats_count_a_copy_back(fake_pg):
+    """A reduced gradient copied into the old ``.grad`` (ddp_fusion before issue 15)."""
+    def backward(grad, w1):
+        return grad.copy_(ddp_fusion.all_reduce_gradient(w1 * 2, dist.group.WORLD, name="w1"))
+
+    gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
+    fuse_ddp_allreduces(gm.graph, algorithm="concat")
+    assert _graph_stats(gm.graph)["copy_back_bytes"] == 4 * 16
