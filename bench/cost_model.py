@@ -775,7 +775,8 @@ def print_projection(pj: dict[str, Any], cal: dict[str, Any] | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.cost_model", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=("mlp", "gpt", "all"), default="all")
-    parser.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma-separated modes of bench.step_time (default {','.join(MODES)})")
     parser.add_argument("--quick", action="store_true",
                         help="10 timed / 3 profiled steps, fewer calibration reps, no upstream mode")
     parser.add_argument("--warmup", type=int, default=3)
@@ -807,9 +808,12 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir
         models = ["mlp", "gpt"] if args.model == "all" else [args.model]
         modes = args.modes.split(",") if args.modes else list(QUICK_MODES if args.quick else MODES)
-        bad = [m for m in modes if m not in MODES]
+        from bench._step_time_worker import all_modes
+
+        known = [m for m, mode in all_modes().items() if not m == "comm_only"]
+        bad = [m for m in modes if m not in known]
         if bad:
-            parser.error(f"unknown modes {bad}; known: {MODES}")
+            parser.error(f"unknown modes {bad}; known: {known}")
         timed = args.timed or (10 if args.quick else 20)
         profiled = args.profiled or (3 if args.quick else 5)
         meta.update(models=models, modes=modes, warmup=args.warmup, timed=timed, profiled=profiled,
