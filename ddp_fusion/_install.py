@@ -86,6 +86,10 @@ def _comm_dtype(node: torch.fx.Node) -> Any:
     return node.args[5] if len(node.args) > 5 else node.kwargs.get("comm_dtype")
 
 
+def _reduce_op(node: torch.fx.Node) -> Any:
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("reduce_op")
+
+
 def _patches_for(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     """Inductor settings for one backward graph, only if it holds ddp_fusion's
     collectives: keep the pass's node order (``schedule_waits``), and with a
@@ -107,6 +111,14 @@ def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
     """Compiled autograd's compiler: ``torch.compile`` with Inductor and
     ``config.backward_compile_kwargs`` (read when each backward graph is compiled)."""
     kwargs = dict(config.backward_compile_kwargs)
+    if kwargs.get("mode") == "reduce-overhead" and any(
+        _reduce_op(n) == "hook" for n in _tagged_all_reduces(graph_module)
+    ):
+        raise ValueError(
+            "ddp_fusion.config.backward_compile_kwargs: mode 'reduce-overhead' (CUDA graphs) "
+            "with a comm hook: a CUDA graph would replay the hook's kernels without running "
+            "the hook (its Python, its state). Use another mode for the backward"
+        )
     backend = _torch.inductor_backend(
         kwargs.pop("mode", None), kwargs.pop("options", None), kwargs.get("dynamic"), _patches_for
     )

@@ -9,6 +9,7 @@ torch 2.13 (``TESTED_TORCH``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -57,10 +58,18 @@ def ensure_group_name(group: dist.ProcessGroup) -> str:
     try:
         return group.group_name
     except (RuntimeError, ValueError):  # "ProcessGroup name not set"
-        name = f"ddp_fusion_unnamed_{id(group)}"
+        # numbered in the order they are met: the same on every rank, which build their
+        # models in the same order (the name is part of the bucket plan the ranks check)
+        while True:
+            name = f"ddp_fusion_unnamed_{next(_unnamed)}"
+            if resolve_process_group(name) is None:
+                break
         group._set_group_name(name)
         register_process_group(name, group)
         return name
+
+
+_unnamed = itertools.count()
 
 
 def is_future(x: Any) -> bool:
@@ -247,7 +256,9 @@ def detach_cpp_reducer(ddp: Any) -> None:
     it (and the logger, which holds it) by a reducer of one one-element placeholder:
     the C++ reducer holds a bucket buffer for every gradient (on a GPU, as much device
     memory as the gradients), which nothing would use any more. The logger gets the
-    construction data torch DDP gave it, so ``_get_ddp_logging_data()`` still works."""
+    construction data torch DDP gave it (module name, device ids, broadcast_buffers,
+    static_graph), so ``_get_ddp_logging_data()`` still answers; its parameter and
+    bucket fields now describe the placeholder."""
     ddp._remove_autograd_hooks()
     ddp._use_python_reducer = True
     device = next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
@@ -549,10 +560,11 @@ def fake_empty(mode: Any, like: torch.Tensor, dtype: torch.dtype | None = None,
     ``numel`` elements), in ``dtype``, on ``like``'s device; what an op that returns a
     new tensor gives, made without fake dispatch."""
     dtype = dtype or like.dtype
-    if numel is not None:
-        meta = torch.empty(numel, dtype=dtype, device="meta")
-    else:
-        meta = torch.empty_strided(like.shape, like.stride(), dtype=dtype, device="meta")
+    with torch._C._DisableTorchDispatch():  # a plain meta tensor, whatever mode is active
+        if numel is not None:
+            meta = torch.empty(numel, dtype=dtype, device="meta")
+        else:
+            meta = torch.empty_strided(like.shape, like.stride(), dtype=dtype, device="meta")
     return _wrap_fake(mode, meta, like.fake_device)
 
 

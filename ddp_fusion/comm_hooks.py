@@ -167,7 +167,9 @@ class CommHook:
         try:
             flight.wait()
             try:
-                value = flight.future.value()
+                # wait(), not value(): with CUDA tensors it makes the current stream wait
+                # for the future's (NCCL completes a future when it enqueues)
+                value = flight.future.wait()
             except Exception as e:
                 raise CommHookError(
                     f"ddp_fusion: the future of the {flight.describe()} failed: "
@@ -195,9 +197,18 @@ class CommHook:
                 _in_flight.pop()
 
 
-def clear_in_flight() -> None:
-    """Forget a hook left in flight by a backward that failed halfway."""
+def drop_in_flight() -> None:
+    """Forget a hook left in flight by a backward that failed halfway (a backward that
+    completes has waited for all of its own). Called when a backward starts."""
     _in_flight.clear()
+
+
+def wait_in_flight() -> None:
+    """Before another collective on a hooked model's group (the used-parameter bitmap):
+    let the last hook's chained collectives finish first, as start() does for the next
+    bucket's hook."""
+    if _in_flight:
+        _in_flight[-1].wait()
 
 
 # -- bucket groups: the compiled path's door to the hooks ------------------------------
@@ -207,16 +218,14 @@ _hooks: dict[int, Callable[[], CommHook | None]] = {}
 
 
 def register(owner: int, hook: CommHook) -> None:
+    """``hook`` reduces model ``owner``'s buckets (owner ids of live models differ)."""
     _hooks[owner] = weakref.ref(hook)
 
 
-def unregister(owner: int) -> None:
-    _hooks.pop(owner, None)
-
-
-def group_name(owner: int, index: int) -> str:
-    """The name of the bucket group of bucket ``index`` of model ``owner``."""
-    return f"ddp_fusion_hook_{owner}_{index}"
+def group_name(owner: int, plan: str, index: int) -> str:
+    """The name of the bucket group of bucket ``index`` of model ``owner`` in the bucket
+    plan with hash ``plan`` (each plan numbers its buckets from 0)."""
+    return f"ddp_fusion_hook_{owner}_{plan}_{index}"
 
 
 class _BucketGroup(dist.ProcessGroup):
@@ -256,15 +265,26 @@ class _HookWork(dist.Work):
 _groups: dict[str, _BucketGroup] = {}
 
 
-def ensure_groups(owner: int, buckets: Sequence[Sequence[str]], group: dist.ProcessGroup) -> None:
-    """Register (or update) the bucket groups of model ``owner``'s hooked buckets, given
-    each bucket's gradient names in plan order."""
-    for index, names in enumerate(buckets):
-        name = group_name(owner, index)
+def ensure_groups(owner: int, plan: str, buckets: Sequence[Sequence[str]],
+                  group: dist.ProcessGroup) -> list[str]:
+    """Register the bucket groups of model ``owner``'s hooked buckets in the bucket plan
+    with hash ``plan``, given each bucket's gradient names in plan order, unless they
+    are registered already (``destroy_process_group`` unregisters every group); return
+    their names."""
+    names = []
+    for index, grads in enumerate(buckets):
+        name = group_name(owner, plan, index)
         pg = _groups.get(name)
-        if pg is None:
+        if pg is None or _torch.resolve_process_group(name) is not pg:
             pg = _BucketGroup(owner, index, group.rank(), group.size())
+            pg.count, pg.names = len(buckets), list(grads)
             pg._set_group_name(name)
             _torch.register_process_group(name, pg)
             _groups[name] = pg
-        pg.count, pg.names = len(buckets), list(names)
+        names.append(name)
+    return names
+
+
+def registered(names: Sequence[str]) -> bool:
+    """Whether these bucket groups are (still) registered."""
+    return all(_torch.resolve_process_group(n) is _groups.get(n) for n in names)

@@ -4,8 +4,9 @@ Eager torch DDP reduces gradients from a C++ reducer that compiled autograd cann
 trace, so under ``torch.compile`` it either breaks the graph at every bucket
 (DDPOptimizer) or is swapped for upstream's Python reducer. In this wrapper each
 parameter gets a post-accumulate-grad hook. Traced by compiled autograd, the hook calls
-the tagged ``ddp_fusion::all_reduce_gradient`` op and copies the result into ``.grad``;
-the pass then buckets and fuses those ops as eager DDP would have. Run eagerly, the hook
+the tagged ``ddp_fusion::all_reduce_gradient`` op and makes the result the parameter's
+``.grad``; the pass then buckets and fuses those ops as eager DDP would have (the
+results become views of the reduced buckets). Run eagerly, the hook
 hands the gradient to a Python bucketed reducer (reducer.py).
 
 Comm hooks (``register_comm_hook``) run on the buckets (comm_hooks.py); torch's
@@ -199,9 +200,20 @@ def _from_rank0(value: Any, group: dist.ProcessGroup) -> Any:
 
 def _owner_id(names: list[str], group_name: str) -> int:
     """A model's id in its gradients' all-reduce tags: its parameters' names and group,
-    hashed (the same in every process and for a re-created model, so graphs stay
-    cacheable; models with equal ids would share buckets, as before this id)."""
-    return zlib.crc32("\0".join([group_name, *names]).encode()) & 0x7FFFFFFF
+    hashed, and, if live models with the same names and group exist, which one of them
+    it is (the first free number): the same in every process (ranks build their models
+    in the same order) and for a re-created model, so graphs stay cacheable; two live
+    models never share buckets or a comm hook."""
+    key = "\0".join([group_name, *names])
+    for k in itertools.count():
+        owner = zlib.crc32((key if k == 0 else f"{key}\0{k}").encode()) & 0x7FFFFFFF
+        ref = _live_owners.get(owner)
+        if ref is None or ref() is None:
+            return owner
+
+
+# owner id -> weak reference to the live GradSync that has it
+_live_owners: dict[int, weakref.ref] = {}
 
 
 def _check_not_hooked(params: list[tuple[str, torch.Tensor]], who: str) -> None:
@@ -284,6 +296,7 @@ class GradSync:
             params, group, limits, comm_dtype, find_unused_parameters, gradient_as_bucket_view
         )
         owner_id = self.owner_id = _owner_id(self.names, group.group_name)
+        _live_owners[owner_id] = weakref.ref(self)
         self.params = params
         self.hook: comm_hooks.CommHook | None = None
         self.handles = [

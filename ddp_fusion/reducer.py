@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _torch, verify
+from . import _torch, comm_hooks, verify
 
 
 @dataclasses.dataclass
@@ -130,9 +130,13 @@ class EagerReducer:
             self._point_grads_at_buckets()
 
     def _view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s slot of its bucket, shaped like the parameter, with its
+        strides if it is dense (a channels-last parameter gets a channels-last .grad),
+        as torch DDP's bucket views."""
         b, offset = self.bucket_of[index]
         local = self.local[index]
-        return self.buckets[b].buffer[offset : offset + local.numel()].view_as(local)
+        slot = self.buckets[b].buffer[offset : offset + local.numel()]
+        return slot.as_strided(local.shape, torch.empty_like(local, device="meta").stride())
 
     @torch.no_grad()
     def _point_grads_at_buckets(self) -> None:
@@ -148,6 +152,8 @@ class EagerReducer:
         # Keyed by the autograd pass, not a flag: if a backward fails halfway (its end
         # callback never runs), the next one still starts from a clean state.
         self._backward_id = _torch.current_backward_id()
+        if self.hook is not None:
+            comm_hooks.drop_in_flight()  # left by a backward that failed halfway
         self._next = 0
         self._ready: list[int] = []
         self._used = torch.zeros(len(self.params), dtype=torch.int32)
@@ -197,11 +203,20 @@ class EagerReducer:
         missing = [i for b in self.buckets if b.pending for i, _ in self._unready(b)]
         for b in self.buckets:
             for i, offset in self._unready(b):
-                b.buffer[offset : offset + self.local[i].numel()].zero_()
+                # no gradient this backward: zeros, or the one accumulated before (a
+                # no_sync() step), as torch DDP sends a defined gradient
+                grad = self.params[i].grad
+                slot = b.buffer[offset : offset + self.local[i].numel()]
+                if grad is None:
+                    slot.zero_()
+                elif not (self.gradient_as_bucket_view and _same_memory(_torch.local_tensor(grad), self._view(i))):
+                    slot.copy_(_torch.local_tensor(grad).reshape(-1))
             b.pending = 0
         self._launch_ready()
         used = self._used
         if self.find_unused_parameters:
+            if self.hook is not None:
+                comm_hooks.wait_in_flight()  # its chained collectives first, on every rank
             dist.all_reduce(used, group=self.group)
         for bucket in self.buckets:
             if bucket.flight is not None:

@@ -87,8 +87,10 @@ def plan_check_start(group_name: str, plan: str, device: torch.device) -> torch.
     all-gather of the plan's hash, one int64 per rank, sized by the live group. Returns
     a token for :func:`plan_guard`, which finishes the check."""
     group = _group(group_name)
-    if plan not in _hooks_ready:
-        _ensure_hook_groups(plan, group)
+    # A backward that completed waited for all of its hooks: one still in flight is
+    # left by a backward that failed halfway, and must not hold this one up.
+    comm_hooks.drop_in_flight()
+    hook_groups(plan, group)
     if _needs_exchange(group):
         _publish(plan)
         mine = torch.full((1,), _plan_hash(plan), dtype=torch.int64, device=device)
@@ -133,19 +135,31 @@ PLAN_CHECK_START = torch.ops.ddp_fusion.plan_check_start.default
 PLAN_GUARD = torch.ops.ddp_fusion.plan_guard.default
 
 
-_hooks_ready: set[str] = set()
+def plan_id(plan: str) -> str:
+    """A short name of a bucket plan (its hash, as hex)."""
+    return f"{_plan_hash(plan) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
-def _ensure_hook_groups(plan: str, group: dist.ProcessGroup) -> None:
-    """Register the bucket groups of the plan's hooked buckets (comm_hooks.py), once
-    per plan: a graph served from Inductor's cache was not compiled in this process."""
-    names: dict[int, list[list[str]]] = {}
+# plan -> the names of its hooked buckets' groups
+_hook_groups: dict[str, list[str]] = {}
+
+
+def hook_groups(plan: str, group: dist.ProcessGroup) -> None:
+    """Make sure the groups of the plan's hooked buckets (comm_hooks.py) are registered:
+    a graph served from Inductor's cache was not compiled in this process, and
+    ``destroy_process_group`` unregisters every group. The plan is read once."""
+    names = _hook_groups.get(plan)
+    if names is not None and comm_hooks.registered(names):
+        return
+    per_owner: dict[int, list[list[str]]] = {}
     for b in json.loads(plan):
         if "hook" in b:
-            names.setdefault(b["hook"][0], []).append(b["grads"])
-    for owner, buckets in names.items():
-        comm_hooks.ensure_groups(owner, buckets, group)
-    _hooks_ready.add(plan)
+            per_owner.setdefault(b["hook"][0], []).append(b["grads"])
+    _hook_groups[plan] = [
+        name
+        for owner, buckets in per_owner.items()
+        for name in comm_hooks.ensure_groups(owner, plan_id(plan), buckets, group)
+    ]
 
 
 def _needs_exchange(group: dist.ProcessGroup) -> bool:
@@ -186,14 +200,13 @@ def shadow_plan(group: dist.ProcessGroup, device: torch.device) -> None:
         )
     store = _torch.default_store()
     plan = store.get(f"ddp_fusion/plan/{hashes[0]}").decode()
-    if plan not in _hooks_ready:
-        _ensure_hook_groups(plan, group)
+    hook_groups(plan, group)
     funcol = _torch.c10d_functional
     for b in json.loads(plan):
         dtype = _DTYPES[b.get("comm_dtype", b["dtype"])]
         if "hook" in b:  # the model's comm hook, on a bucket of zeros (as torch DDP)
             flat = torch.zeros(sum(b["numels"]), dtype=dtype, device=device)
-            name = comm_hooks.group_name(*b["hook"][:2])
+            name = comm_hooks.group_name(b["hook"][0], plan_id(plan), b["hook"][1])
             funcol.wait_tensor(funcol.all_reduce(flat, "sum", name))
         elif b["algorithm"] == "coalesced":
             zeros = [torch.zeros(n, dtype=dtype, device=device) for n in b["numels"]]

@@ -179,8 +179,10 @@ BAD_HOOKS = {
 
 def bad_hooks(rank, world_size):
     """Each hook of ``BAD_HOOKS``, uncompiled and compiled: the error raised by the
-    backward (type, message, seconds it took), and whether the next step with a good
-    hook then works."""
+    backward (type, message, seconds it took), and the error (None) of the next step
+    of another model with a good hook: a hook left in flight by the failed backward
+    must not hold it up (it would wait the process-group timeout for a future that
+    never completes, and fail)."""
     import time
 
     out = {}
@@ -197,7 +199,16 @@ def bad_hooks(rank, world_size):
                     error = None
                 except Exception as e:  # noqa: BLE001 - the test checks what it is
                     error = (type(e).__name__, str(e))
-                out[name, compiled] = (error, time.monotonic() - start)
+                seconds = time.monotonic() - start
+                good = ddp_fusion.DistributedDataParallel(mlp3(), bucket_cap_mb=CAP_SEVERAL)
+                # (a hook of its own: torch's allreduce_hook would be a comm dtype, no hook call)
+                good.register_comm_hook(None, lambda st, bucket: default_hooks.allreduce_hook(st, bucket))
+                try:
+                    (torch.compile(good) if compiled else good)(torch.randn(4, WIDTH)).sum().backward()
+                    after = None
+                except Exception as e:  # noqa: BLE001
+                    after = f"{type(e).__name__}: {e}"
+                out[name, compiled] = (error, seconds, after)
     return out
 
 
@@ -227,7 +238,7 @@ def join_with_hook(rank, world_size):
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_SEVERAL)
     ref.register_comm_hook(None, counting)
     want = run(ref, ref)
-    out = {"torch_calls": len(calls)}
+    out = {}
     for compiled in (False, True):
         torch._dynamo.reset()
         calls.clear()

@@ -123,6 +123,35 @@ def forward(self, x_1, w1_1, w2_1):
         FileCheck().check("all_reduce.default").check("mul_1").check("wait_tensor").run(gm.code)
 
 
+@pytest.mark.usefixtures("fake_pg")
+@pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+def test_channels_last_gradient_is_reduced_in_memory_order(algorithm):
+    """A channels-last gradient goes into its bucket as a permute view (no copy) and
+    comes back with its strides, so the new ``.grad`` keeps the gradient layout; the
+    values are the unfused graph's."""
+    def fn(x, y):
+        g = (x * 2).contiguous(memory_format=torch.channels_last)
+        return ddp_fusion.all_reduce_gradient(g, name="conv"), ddp_fusion.all_reduce_gradient(y * 3, name="b")
+
+    args = (torch.randn(2, 3, 4, 5), torch.randn(7))
+    gm = trace(fn, *args)
+    want = gm(*args)
+
+    def copies():  # the clone is the user's .contiguous(channels_last)
+        return [n.target for n in gm.graph.nodes
+                if n.target in (torch.ops.aten.clone.default, torch.ops.aten.reshape.default)]
+
+    before = copies()
+    fuse(gm, algorithm=algorithm)
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    assert out[0].meta["val"].stride() == want[0].stride() == (60, 1, 15, 3)
+    assert copies() == before == [torch.ops.aten.clone.default]
+    got = gm(*args)
+    assert got[0].stride() == want[0].stride()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def three_buckets(x):
     """Three 64-byte gradients, each its own bucket (cap 32 bytes), compute between."""
     out = []

@@ -341,6 +341,31 @@ def check_graph(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def check_metadata(gm: torch.fx.GraphModule) -> None:
+    """Every node's ``meta["val"]`` (the pass makes most of them without fake dispatch)
+    is what fake dispatch gives: shape, strides (but of size-1 dimensions), dtype,
+    device. (Overwrites the values.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    recorded = {n: n.meta.get("val") for n in gm.graph.nodes}
+    inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+              for v in (n.meta["val"] for n in gm.graph.find_nodes(op="placeholder"))]
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
+
+    def described(v):  # a size-1 dimension's stride is not part of the layout
+        if isinstance(v, torch.Tensor):
+            strides = tuple(s if n != 1 else None for n, s in zip(v.shape, v.stride()))
+            return (tuple(v.shape), strides, v.dtype, v.device.type)
+        if isinstance(v, (list, tuple)):
+            return [described(x) for x in v]
+        return None
+
+    for node, val in recorded.items():
+        if isinstance(val, (torch.Tensor, list, tuple)):
+            assert described(val) == described(node.meta["val"]), (node.format_node(), val, node.meta["val"])
+
+
 def check_partition(tagged: dict[str, Tagged], result, gm: torch.fx.GraphModule) -> None:
     """Every tagged all-reduce in exactly one bucket; none left in the graph."""
     assert result.unfused == []
@@ -479,6 +504,7 @@ def check_fusion(spec: GraphSpec, algorithm: str, schedule_waits: bool) -> None:
     check_keys(tagged, result)
     check_boundaries(tagged, result)
     check_same_values(unfused, gm, inputs)
+    check_metadata(gm)
 
 
 given_graphs = given(
@@ -545,8 +571,9 @@ def test_found_cross_key_dependencies_cut_both_buckets(algorithm):
 @pytest.mark.usefixtures("fake_pg")
 @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
 def test_found_non_contiguous_gradient_keeps_layout(algorithm):
-    """A transposed gradient: the reduced value must have the same (contiguous) layout
-    before and after the pass, or a reader sums it in another order (1 ulp apart)."""
+    """A transposed gradient: the reduced value must have the same layout before and
+    after the pass (the gradient's own strides: it is reduced in memory order), or a
+    reader sums it in another order (1 ulp apart)."""
     f32 = torch.float32
     spec = GraphSpec(
         bucket_args=[{}],

@@ -10,8 +10,11 @@
 Invariants every step keeps, checked by ``graph.lint()`` at the end:
 
 * every new node has ``meta["val"]`` (a fake tensor, or a list of them);
-* the graph stays functional: nothing is mutated that was not mutated before, and no
-  new node aliases a graph input or output;
+* the graph stays functional: nothing is mutated that was not mutated before; the only
+  new aliases are views (a gradient flattened, or permuted into memory order, on its
+  way into a bucket; the reduced gradients, views of their bucket, which the graph
+  returns: the hooks make them the new gradients, and a bucket's gradients share its
+  buffer as with torch DDP's ``gradient_as_bucket_view``);
 * only tagged all-reduces are touched: other collectives keep their place and order
   relative to their inputs and users;
 * the plan is a function of the graph alone, so every rank reaches the same plan.
@@ -30,14 +33,14 @@ from typing import Any
 import torch.fx
 from torch.fx.node import map_arg
 
-from .. import _torch, comm_hooks, dump
+from .. import _torch, comm_hooks, dump, verify
 from ..config import config
 from ._graph import NodeMaker
 from .bucketing import MiB, Bucket, plan_buckets
 from .coalesced import fuse_coalesced
 from .collectives import Unfused, find_gradient_all_reduces
 from .concat import fuse_concat
-from .guard import hook_numbering, insert_plan_guards, place_guards
+from .guard import hook_numbering, insert_plan_guards, place_guards, plan_fingerprint
 from .schedule import sink_waits
 
 __all__ = ["FusionResult", "fuse_ddp_allreduces"]
@@ -108,7 +111,7 @@ def fuse_ddp_allreduces(
     result.buckets = plan_buckets(graph, grads)
     make = NodeMaker(graph)
     guards = insert_plan_guards(make, result.buckets, algorithm)
-    hooked = _hook_groups(result.buckets)
+    hooked = _hook_groups(result.buckets, algorithm)
     order = {node: i for i, node in enumerate(graph.nodes)}
     fused = []
     anchor_at = -1  # graph position of the node the previous bucket was placed after
@@ -128,7 +131,7 @@ def fuse_ddp_allreduces(
             fused.append(_FUSERS[algorithm](make, bucket, after, guard))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})
     # A reader of an early gradient in a bucket may sit before the bucket's collective
-    # (never in a compiled backward, where readers are the final copy_ into .grad, but
+    # (never in a compiled backward, where readers are the graph's outputs, but
     # possible in hand-written graphs); move such readers after it.
     _torch.stable_topological_sort(graph)
     place_guards(graph, list(guards.values()))
@@ -143,23 +146,20 @@ def fuse_ddp_allreduces(
     return result
 
 
-def _hook_groups(buckets: list[Bucket]) -> dict[int, str]:
+def _hook_groups(buckets: list[Bucket], algorithm: str) -> dict[int, str]:
     """Bucket (by ``id``) -> the group its flat buffer goes to, for buckets a comm hook
-    reduces; registers those groups (a graph served from the FX graph cache registers
-    them when its plan check first runs: verify.py)."""
+    reduces (comm_hooks.py); registers those groups now (the plan check registers them
+    when a graph served from Inductor's cache first runs)."""
     numbering = hook_numbering(buckets)
-    names: dict[int, list[list[str]]] = {}
-    model_group: dict[int, str] = {}
-    for b in buckets:
-        if id(b) in numbering:
-            owner = numbering[id(b)][0]
-            names.setdefault(owner, []).append([g.label for g in b.grads])
-            model_group[owner] = b.key.group_name
-    for owner, buckets_names in names.items():
-        comm_hooks.ensure_groups(
-            owner, buckets_names, _torch.resolve_process_group(model_group[owner])
-        )
-    return {key: comm_hooks.group_name(owner, i) for key, (owner, i, _) in numbering.items()}
+    out: dict[int, str] = {}
+    for group_name in {b.key.group_name for b in buckets if id(b) in numbering}:
+        plan = plan_fingerprint(buckets, group_name, algorithm)
+        verify.hook_groups(plan, _torch.resolve_process_group(group_name))
+        for b in buckets:
+            if id(b) in numbering and b.key.group_name == group_name:
+                owner, index, _ = numbering[id(b)]
+                out[id(b)] = comm_hooks.group_name(owner, verify.plan_id(plan), index)
+    return out
 
 
 def _replace_all(graph: torch.fx.Graph, new: dict[torch.fx.Node, torch.fx.Node]) -> None:

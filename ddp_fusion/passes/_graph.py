@@ -90,16 +90,28 @@ def _scale(mode: Any, op: Any, x: Any, divisor: Any) -> Any:
     # div by the guard's 0-d float32 tensor: a floating ``x`` keeps its dtype (a 0-d
     # tensor does not promote a dimensioned one of the same category)
     if not (isinstance(x, torch.Tensor) and isinstance(divisor, torch.Tensor) and x.is_floating_point()
-            and divisor.dim() == 0 and divisor.is_floating_point() and x.is_contiguous()):
+            and x.dim() > 0 and divisor.dim() == 0 and divisor.is_floating_point()
+            and _strictly_contiguous(x)):
         return None
     return _torch.fake_empty(mode, x)
+
+
+def _strictly_contiguous(x: torch.Tensor) -> bool:
+    """Strides exactly those of a new contiguous tensor, which the op returns
+    (``is_contiguous()`` also holds for, e.g., size (1,) with stride (2,))."""
+    step = 1
+    for size, stride in zip(reversed(x.shape), reversed(x.stride())):
+        if stride != step:
+            return False
+        step *= max(int(size), 1)
+    return True
 
 
 def _scale_all(mode: Any, op: Any, xs: Any, divisor: Any) -> Any:
     # _foreach_div promotes some low-precision tensors by a float32 divisor (see
     # coalesced.py); the shortcut takes only tensors of the divisor's dtype
     if not (isinstance(divisor, torch.Tensor) and divisor.dim() == 0
-            and all(x.dtype == divisor.dtype and x.is_contiguous() for x in xs)):
+            and all(x.dtype == divisor.dtype and _strictly_contiguous(x) for x in xs)):
         return None
     return [_torch.fake_empty(mode, x) for x in xs]
 
@@ -111,11 +123,11 @@ def _cat(mode: Any, op: Any, tensors: Any, dim: int = 0) -> Any:
 
 
 def _fresh_contiguous(mode: Any, op: Any, x: Any, *args: Any) -> Any:
-    return _torch.fake_empty(mode, x) if x.is_contiguous() else None
+    return _torch.fake_empty(mode, x) if _strictly_contiguous(x) else None
 
 
 def _convert(mode: Any, op: Any, x: Any, dtype: Any) -> Any:
-    return _torch.fake_empty(mode, x, dtype) if x.is_contiguous() else None
+    return _torch.fake_empty(mode, x, dtype) if _strictly_contiguous(x) else None
 
 
 _aten = torch.ops.aten

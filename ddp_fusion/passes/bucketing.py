@@ -158,7 +158,7 @@ def _plan_in_graph_order(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> l
 
     One walk over the graph; the only state beyond the open buckets is, for nodes that
     depend on a gradient in a still-open bucket, which open buckets they depend on (in a
-    compiled backward that is just the final ``copy_`` into ``.grad``).
+    compiled backward that is just the graph's output).
     """
     ready_at: dict[torch.fx.Node, list[GradAllReduce]] = {}
     for g in grads:
