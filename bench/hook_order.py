@@ -10,7 +10,9 @@ hook only once the previous bucket's future has completed (ddp_fusion/comm_hooks
 
 Each trial: 2 fresh gloo ranks, the 3-layer MLP of tests/_workers_hooks.py (3 buckets of
 1 MiB at ``bucket_cap_mb=0.25``), ``powerSGD_hook`` (rank 1, compression from step 2),
-``--steps`` SGD steps, process-group timeout ``--pg-timeout`` s.
+``--steps`` SGD steps, process-group timeout ``--pg-timeout`` s. A trial still running
+``3 * pg-timeout + 60`` s after it started is killed and reported as not finished (eager
+torch DDP was seen to hang well past its process-group timeout).
 
     python -m bench.hook_order                 # 3 trials per mode
     python -m bench.hook_order --trials 5 --modes eager_ddp
@@ -72,7 +74,7 @@ def main() -> None:
         for trial in range(args.trials):
             t = time.perf_counter()
             try:
-                run_ranks(this._trial, world_size=2, args=(mode, args.steps), timeout=10 * args.pg_timeout + 300,
+                run_ranks(this._trial, world_size=2, args=(mode, args.steps), timeout=args.pg_timeout * 3 + 60,
                           pg_timeout=args.pg_timeout)
                 outcome = "ok"
                 ok += 1
