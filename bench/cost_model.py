@@ -90,19 +90,20 @@ def _log(t0: float, msg: str) -> None:
 def calib_worker(rank: int, world_size: int, sizes: list[int], reps: list[int]) -> list[list[float]]:
     """Per size, ``reps`` timings (ms) of one blocking ``dist.all_reduce``."""
     torch.set_num_threads(1)
-    out = []
-    for nbytes, n in zip(sizes, reps):
-        x = torch.ones(nbytes // 4)
-        for _ in range(3):  # warm up the size (gloo allocates per size)
-            dist.all_reduce(x)
-        ts = []
-        for _ in range(n):
-            dist.barrier()
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            ts.append(1e3 * (time.perf_counter() - t))
-        out.append(ts)
-    return out
+    return [all_reduce_times(torch.ones(nbytes // 4), n) for nbytes, n in zip(sizes, reps)]
+
+
+def all_reduce_times(x: torch.Tensor, n: int, warmup: int = 3) -> list[float]:
+    """``n`` timings (ms) of one blocking ``dist.all_reduce(x)``, each after a barrier."""
+    for _ in range(warmup):  # warm up the size (gloo allocates per size)
+        dist.all_reduce(x)
+    ts = []
+    for _ in range(n):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        ts.append(1e3 * (time.perf_counter() - t))
+    return ts
 
 
 def fit_alpha_beta(nbytes: list[int], t_ms: list[float]) -> tuple[float, float]:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
+from bench.cost_model import all_reduce_times
 from ddp_fusion.launch import run_ranks
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -27,15 +26,7 @@ def _job(rank: int, world_size: int, reps: int) -> dict[tuple[int, str], float]:
     out = {}
     for numel in NUMELS:
         for dtype in DTYPES:
-            t = torch.ones(numel, dtype=dtype)
-            for _ in range(5):
-                dist.all_reduce(t)
-            times = []
-            for _ in range(reps):
-                dist.barrier()
-                start = time.perf_counter()
-                dist.all_reduce(t)
-                times.append(1e3 * (time.perf_counter() - start))
+            times = all_reduce_times(torch.ones(numel, dtype=dtype), reps, warmup=5)
             out[numel, str(dtype)] = statistics.median(times)
     return out
 
