@@ -31,7 +31,10 @@ STEPS = 6
 
 def _start(lighthouse, replica, out, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
+           # a fresh Inductor cache per process: the pass (and its bucket counters) must
+           # run, which a hit in the FX graph cache of an earlier run would skip
+           "TORCHINDUCTOR_CACHE_DIR": f"{out}.inductor_cache"}
     env.pop("DDP_FUSION", None)
     log = open(f"{out}.log", "w")
     return subprocess.Popen(
