@@ -46,7 +46,9 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup | None:
 
 
 def register_process_group(name: str, group: dist.ProcessGroup) -> None:
-    """Make ``group`` resolvable by ``name`` (functional collectives name groups)."""
+    """Name ``group`` ``name`` and make it resolvable by that name (functional
+    collectives name groups)."""
+    group._set_group_name(name)
     torch._C._distributed_c10d._register_process_group(name, group)
 
 
@@ -64,7 +66,6 @@ def ensure_group_name(group: dist.ProcessGroup) -> str:
             name = f"ddp_fusion_unnamed_{next(_unnamed)}"
             if resolve_process_group(name) is None:
                 break
-        group._set_group_name(name)
         register_process_group(name, group)
         return name
 
@@ -638,6 +639,7 @@ _REQUIRED = (
     ("torch._inductor.custom_graph_pass", "get_hash_for_files"),
     ("torch", "_C._distributed_c10d._resolve_process_group"),
     ("torch", "_C._distributed_c10d._register_process_group"),
+    ("torch.distributed", "ProcessGroup._set_group_name"),
     ("torch", "_C.Future"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.nn.parallel.distributed", "DistributedDataParallel._pre_forward"),

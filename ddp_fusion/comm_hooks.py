@@ -9,7 +9,7 @@ Compiled, the pass fuses a hooked model's bucket exactly as it fuses a plain one
 *bucket group* instead of the model's process group::
 
     flat = cat([g1 / 1, ..., gn / 1])          # the plan guard's 1: the hook scales
-    red  = _c10d_functional.all_reduce(flat, "sum", "ddp_fusion_hook_<model>_<bucket>")
+    red  = _c10d_functional.all_reduce(flat, "sum", "ddp_fusion_hook_<model>_<plan>_<bucket>")
     ...                                          # rest of backward
     red  = _c10d_functional.wait_tensor(red)     # where the plain bucket waits
 
@@ -231,10 +231,10 @@ def group_name(owner: int, plan: str, index: int) -> str:
 class _BucketGroup(dist.ProcessGroup):
     """The process group a hooked bucket's all-reduce is issued to (module docstring)."""
 
-    def __init__(self, owner: int, index: int, rank: int, size: int) -> None:
+    def __init__(self, owner: int, index: int, count: int, names: Sequence[str],
+                 rank: int, size: int) -> None:
         super().__init__(rank, size)
-        self.owner, self.index = owner, index
-        self.count, self.names = 0, []
+        self.owner, self.index, self.count, self.names = owner, index, count, list(names)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "ddp_fusion_comm_hook"
@@ -276,9 +276,7 @@ def ensure_groups(owner: int, plan: str, buckets: Sequence[Sequence[str]],
         name = group_name(owner, plan, index)
         pg = _groups.get(name)
         if pg is None or _torch.resolve_process_group(name) is not pg:
-            pg = _BucketGroup(owner, index, group.rank(), group.size())
-            pg.count, pg.names = len(buckets), list(grads)
-            pg._set_group_name(name)
+            pg = _BucketGroup(owner, index, len(buckets), grads, group.rank(), group.size())
             _torch.register_process_group(name, pg)
             _groups[name] = pg
         names.append(name)

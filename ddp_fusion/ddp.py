@@ -298,7 +298,6 @@ class GradSync:
         owner_id = self.owner_id = _owner_id(self.names, group.group_name)
         _live_owners[owner_id] = weakref.ref(self)
         self.params = params
-        self.hook: comm_hooks.CommHook | None = None
         self.handles = [
             p.register_post_accumulate_grad_hook(
                 _make_hook(self.state, self.reducer, i, group.group_name, limits, n, owner_id)
@@ -369,11 +368,11 @@ class GradSync:
                 "(wrap the hook in torch's fp16_compress_wrapper / bf16_compress_wrapper "
                 "to communicate in a lower precision)"
             )
-        self.hook = comm_hooks.CommHook(hook_state, hook, self.group, self.params, who)
-        comm_hooks.register(self.owner_id, self.hook)
+        comm_hook = comm_hooks.CommHook(hook_state, hook, self.group, self.params, who)
+        comm_hooks.register(self.owner_id, comm_hook)  # weakly: the reducer holds it
         self.state.comm_hook = name
         self.state.reduce_op = comm_hooks.HOOK
-        self.reducer.set_comm_hook(self.hook)
+        self.reducer.set_comm_hook(comm_hook)
 
     def register_builtin_comm_hook(self, kind: Any, who: str) -> None:
         dtypes = {
@@ -598,9 +597,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.process_group
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        """torch DDP's ``register_comm_hook``, for torch's ``allreduce_hook``,
-        ``fp16_compress_hook`` and ``bf16_compress_hook`` (the fused buckets are then
-        all-reduced in that dtype); call it before the first forward."""
+        """torch DDP's ``register_comm_hook``: ``hook(state, bucket)`` reduces each fused
+        bucket (torch's allreduce / fp16 / bf16 compress hooks over the model's group
+        become its communication dtype instead); call it before the first forward."""
         self._sync.register_comm_hook(state, hook, "DistributedDataParallel")
 
     @contextlib.contextmanager

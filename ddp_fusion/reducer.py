@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,7 @@ class _Bucket:
     pending: int = 0
     work: dist.Work | None = None
     sent: torch.Tensor | None = None  # what was all-reduced, if not ``buffer`` itself
-    flight: Any = None  # the comm hook's call on this bucket (comm_hooks.py)
+    flight: comm_hooks._Flight | None = None  # the comm hook's call on this bucket
     _buffer: torch.Tensor | None = None
 
     @property
@@ -83,12 +82,12 @@ class EagerReducer:
         self.comm_dtype = comm_dtype
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.hook: Any = None  # a comm_hooks.CommHook: it reduces each bucket
+        self.hook: comm_hooks.CommHook | None = None  # if set, it reduces each bucket
         self.rebuilt = False
         self._build(list(reversed(range(len(self.params)))))
         self._backward_id: int | None = None
 
-    def set_comm_hook(self, hook: Any) -> None:
+    def set_comm_hook(self, hook: comm_hooks.CommHook) -> None:
         """A comm hook registered before the first backward: it reduces each bucket."""
         self.hook = hook
 

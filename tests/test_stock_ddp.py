@@ -112,16 +112,16 @@ def test_register_comm_hook_takes_any_hook_and_refuses_what_it_cannot_honour(ena
     ddp = DDP(_net())
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    assert ddp._ddp_fusion.hook.state is state and ddp._ddp_fusion.state.reduce_op == "hook"
+    assert ddp._ddp_fusion.reducer.hook.state is state and ddp._ddp_fusion.state.reduce_op == "hook"
     with pytest.raises(RuntimeError, match="already registered"):
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     sub = dist.new_group([0, 1])
     on_world = DDP(_net())
     on_world.register_comm_hook(sub, default_hooks.fp16_compress_hook)  # another group
-    assert on_world._ddp_fusion.hook is not None and on_world._ddp_fusion.state.comm_dtype is None
+    assert on_world._ddp_fusion.reducer.hook is not None and on_world._ddp_fusion.state.comm_dtype is None
     on_sub = DDP(_net(), process_group=sub)
     on_sub.register_comm_hook(sub, default_hooks.fp16_compress_hook)  # its own group
-    assert on_sub._ddp_fusion.hook is None and on_sub._ddp_fusion.state.comm_dtype == torch.float16
+    assert on_sub._ddp_fusion.reducer.hook is None and on_sub._ddp_fusion.state.comm_dtype == torch.float16
     with pytest.raises(TypeError, match="hook must be callable"):
         DDP(_net()).register_comm_hook(None, "fp16")
     used = DDP(_net())
