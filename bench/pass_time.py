@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = QUICK_SIZES if args.quick else tuple(int(s) for s in args.sizes.split(","))
 
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=ddp_fusion._torch.fake_store(),
+        dist.init_process_group("fake", store=ddp_fusion._torch.distributed.fake_store(),
                                 rank=0, world_size=2)
 
     source = provenance()

@@ -1,5 +1,5 @@
 """Wiring into torch, done when ``config.enabled`` changes; every effect is undone when
-it goes off. The effects, in the order they are applied (README, "What
+it goes off. The effects, in the order they are applied (docs/user-guide.md, "What
 ``enabled = True`` changes in the process", lists them for users):
 
 1. The pass goes into ``torch._inductor.config.post_grad_custom_post_pass`` as a
@@ -21,8 +21,9 @@ it goes off. The effects, in the order they are applied (README, "What
    at its next forward an error that names ddp_fusion and the fix (instead of torch's
    error deep in backward). Off restores torch's constructor and forward; models
    adopted stay adopted.
-4. Only while a ddp_fusion wrapper holds DTensor parameters: compiled autograd copies
-   DTensor parameters with ``clone()`` (``_torch.allow_dtensor_post_accumulate_grad_hooks``).
+4. Only once a model holds DTensor parameters (it asks through effects.py): compiled
+   autograd copies DTensor parameters with ``clone()``
+   (``_torch.compiled_autograd.allow_dtensor_post_accumulate_grad_hooks``).
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ from typing import Any
 
 import torch
 
-from . import _torch
+from . import _torch, effects, stock
 from .config import config
-from .ops import ALL_REDUCE_GRADIENT
+from .ops import ALL_REDUCE_GRADIENT, HOOK
 from .passes import fuse_ddp_allreduces
 
 # The pass's behaviour is a function of these files and the config (read once).
 _SOURCES = tuple(str(p) for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
-_CustomGraphPass = _torch.custom_graph_pass_base()
+_CustomGraphPass = _torch.inductor.custom_graph_pass_base()
 # Settings that change what the pass does (the others change what runs around it).
 _PASS_SETTINGS = ("algorithm", "schedule_waits", "max_in_flight_mb", "dump_dir")
 
@@ -54,7 +55,7 @@ class FuseDDPAllReduces(_CustomGraphPass):
 
     def uuid(self) -> bytes:
         settings = {k: getattr(config, k) for k in _PASS_SETTINGS}
-        return _torch.hash_files(_SOURCES, json.dumps(settings, sort_keys=True))
+        return _torch.inductor.hash_files(_SOURCES, json.dumps(settings, sort_keys=True))
 
 
 class _Chain(_CustomGraphPass):
@@ -99,11 +100,11 @@ def _patches_for(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     tagged = _tagged_all_reduces(graph_module)
     patches: dict[str, Any] = {}
     if tagged and config.schedule_waits:
-        patches.update(_torch.inductor_options_keeping_node_order())
+        patches.update(_torch.inductor.options_keeping_node_order())
     if any(_comm_dtype(n) is not None for n in tagged):
-        patches.update(_torch.inductor_options_emulating_precision_casts())
+        patches.update(_torch.inductor.options_emulating_precision_casts())
     if tagged:
-        patches.update(_torch.inductor_options_without_upstream_ddp_fusion())
+        patches.update(_torch.inductor.options_without_upstream_ddp_fusion())
     return patches
 
 
@@ -112,14 +113,14 @@ def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
     ``config.backward_compile_kwargs`` (read when each backward graph is compiled)."""
     kwargs = dict(config.backward_compile_kwargs)
     if kwargs.get("mode") == "reduce-overhead" and any(
-        _reduce_op(n) == "hook" for n in _tagged_all_reduces(graph_module)
+        _reduce_op(n) == HOOK for n in _tagged_all_reduces(graph_module)
     ):
         raise ValueError(
             "ddp_fusion.config.backward_compile_kwargs: mode 'reduce-overhead' (CUDA graphs) "
             "with a comm hook: a CUDA graph would replay the hook's kernels without running "
             "the hook (its Python, its state). Use another mode for the backward"
         )
-    backend = _torch.inductor_backend(
+    backend = _torch.inductor.backend(
         kwargs.pop("mode", None), kwargs.pop("options", None), kwargs.get("dynamic"), _patches_for
     )
     return torch.compile(graph_module, backend=backend, **kwargs)
@@ -127,18 +128,20 @@ def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
 
 # name -> function that undoes it, in the order applied
 _undo: dict[str, Callable[[], None]] = {}
-_wants_dtensor_clone = False
+# effects.py's effects: what applies each
+_EFFECTS: dict[str, Callable[[], Callable[[], None]]] = {
+    effects.DTENSOR_CLONE: _torch.compiled_autograd.allow_dtensor_post_accumulate_grad_hooks,
+}
 
 
 def _install_pass() -> Callable[[], None]:
-    inductor = _torch.inductor_config()
-    previous = inductor.post_grad_custom_post_pass
+    previous = _torch.inductor.post_grad_pass()
     slot = THE_PASS if previous is None else _Chain((previous, THE_PASS))
-    inductor.post_grad_custom_post_pass = slot
+    _torch.inductor.set_post_grad_pass(slot)
 
     def undo() -> None:
-        if inductor.post_grad_custom_post_pass is slot:
-            inductor.post_grad_custom_post_pass = previous
+        if _torch.inductor.post_grad_pass() is slot:
+            _torch.inductor.set_post_grad_pass(previous)
 
     return undo
 
@@ -148,7 +151,7 @@ def _refuse_cpp_reducer(ddp: Any) -> None:
     if (
         torch.is_grad_enabled()
         and ddp.require_backward_grad_sync
-        and _torch.stock_ddp_uses_cpp_reducer(ddp)
+        and _torch.ddp.uses_cpp_reducer(ddp)
     ):
         raise RuntimeError(
             "ddp_fusion.config.enabled is on, so every backward runs under compiled "
@@ -164,13 +167,11 @@ def install() -> None:
         return
     try:
         _undo["pass"] = _install_pass()
-        _undo["compiled_autograd"] = _torch.install_compiled_autograd(compile_backward).restore
-        from . import stock
-
-        _undo["stock_ddp"] = _torch.patch_stock_ddp_forward(_refuse_cpp_reducer)
-        _undo["stock_ddp_init"] = _torch.patch_stock_ddp_init(stock.refuse_arguments, stock.adopt)
-        if _wants_dtensor_clone:
-            _undo["dtensor_clone"] = _torch.allow_dtensor_post_accumulate_grad_hooks()
+        _undo["compiled_autograd"] = _torch.compiled_autograd.install(compile_backward).restore
+        _undo["stock_ddp"] = _torch.ddp.patch_forward(_refuse_cpp_reducer)
+        _undo["stock_ddp_init"] = _torch.ddp.patch_init(stock.refuse_arguments, stock.adopt)
+        for effect in effects.wanted():
+            _undo[effect] = _EFFECTS[effect]()
     except BaseException:
         # All or nothing: the setting reverts (config.py), so undo what was applied.
         for name in reversed(list(_undo)):
@@ -186,12 +187,13 @@ def uninstall() -> None:
         _undo.pop(name)()
 
 
-def need_dtensor_clone() -> None:
-    """A wrapper holds DTensor parameters: apply effect 4 (now, if enabled)."""
-    global _wants_dtensor_clone
-    _wants_dtensor_clone = True
-    if _undo and "dtensor_clone" not in _undo:
-        _undo["dtensor_clone"] = _torch.allow_dtensor_post_accumulate_grad_hooks()
+def _on_want(effect: str) -> None:
+    """A model asked for ``effect`` (effects.py): apply it now if enabled."""
+    if _undo and effect not in _undo:
+        _undo[effect] = _EFFECTS[effect]()
+
+
+effects.on_want(_on_want)
 
 
 def _on_change(name: str, value: Any) -> None:

@@ -46,9 +46,6 @@ import torch.distributed as dist
 
 from . import _torch
 
-#: The tagged all-reduce's reduce op for a gradient whose model has a comm hook.
-HOOK = "hook"
-
 
 class GradBucket:
     """What torch's ``dist.GradBucket`` offers a comm hook, for one fused bucket."""
@@ -63,7 +60,7 @@ class GradBucket:
         self._index, self._count = index, count
         self._buffer = buffer
         self._parameters = list(parameters)
-        self._lengths = [_torch.local_tensor(p.detach()).numel() for p in self._parameters]
+        self._lengths = [_torch.tensors.local_tensor(p.detach()).numel() for p in self._parameters]
         self._offsets = [sum(self._lengths[:i]) for i in range(len(self._lengths))]
 
     def index(self) -> int:
@@ -85,7 +82,7 @@ class GradBucket:
     def gradients(self) -> list[torch.Tensor]:
         """Per parameter, a view of the buffer with the parameter's (local) shape."""
         return [
-            self._buffer[o : o + n].view(_torch.local_tensor(p.detach()).shape)
+            self._buffer[o : o + n].view(_torch.tensors.local_tensor(p.detach()).shape)
             for o, n, p in zip(self._offsets, self._lengths, self._parameters)
         ]
 
@@ -138,7 +135,7 @@ class CommHook:
         self.state, self.hook, self.group, self.who = state, hook, group, who
         self.name = getattr(hook, "__qualname__", None) or repr(hook)
         self.params = dict(params)
-        self.timeout = _torch.group_timeout(group)
+        self.timeout = _torch.distributed.group_timeout(group)
 
     def start(self, index: int, count: int, buffer: torch.Tensor, names: Sequence[str]) -> _Flight:
         """Call the hook on bucket ``index`` of ``count`` (after the previous bucket's
@@ -152,7 +149,7 @@ class CommHook:
             future = self.hook(self.state, bucket)
         except Exception as e:
             raise CommHookError(f"ddp_fusion: the {flight.describe()} raised {type(e).__name__}: {e}") from e
-        if not _torch.is_future(future):
+        if not _torch.distributed.is_future(future):
             raise CommHookError(
                 f"ddp_fusion: the {flight.describe()} returned {type(future).__name__}; a comm "
                 "hook returns a torch.futures.Future of the bucket's reduced gradients"
@@ -213,39 +210,39 @@ def wait_in_flight() -> None:
 
 # -- bucket groups: the compiled path's door to the hooks ------------------------------
 
-# model id (the tagged all-reduce's ``owner``) -> its CommHook
+# model id (the tagged all-reduce's ``model_id``) -> its CommHook
 _hooks: dict[int, Callable[[], CommHook | None]] = {}
 
 
-def register(owner: int, hook: CommHook) -> None:
-    """``hook`` reduces model ``owner``'s buckets (owner ids of live models differ)."""
-    _hooks[owner] = weakref.ref(hook)
+def register(model_id: int, hook: CommHook) -> None:
+    """``hook`` reduces model ``model_id``'s buckets (ids of live models differ)."""
+    _hooks[model_id] = weakref.ref(hook)
 
 
-def group_name(owner: int, plan: str, index: int) -> str:
-    """The name of the bucket group of bucket ``index`` of model ``owner`` in the bucket
-    plan with hash ``plan`` (each plan numbers its buckets from 0)."""
-    return f"ddp_fusion_hook_{owner}_{plan}_{index}"
+def group_name(model_id: int, plan: str, index: int) -> str:
+    """The name of the bucket group of bucket ``index`` of model ``model_id`` in the
+    bucket plan with id ``plan`` (each plan numbers its buckets from 0)."""
+    return f"ddp_fusion_hook_{model_id}_{plan}_{index}"
 
 
 class _BucketGroup(dist.ProcessGroup):
     """The process group a hooked bucket's all-reduce is issued to (module docstring)."""
 
-    def __init__(self, owner: int, index: int, count: int, names: Sequence[str],
+    def __init__(self, model_id: int, index: int, count: int, names: Sequence[str],
                  rank: int, size: int) -> None:
         super().__init__(rank, size)
-        self.owner, self.index, self.count, self.names = owner, index, count, list(names)
+        self.model_id, self.index, self.count, self.names = model_id, index, count, list(names)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "ddp_fusion_comm_hook"
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        ref = _hooks.get(self.owner)
+        ref = _hooks.get(self.model_id)
         hook = ref() if ref is not None else None
         if hook is None:
             raise RuntimeError(
                 f"ddp_fusion: a compiled backward sends bucket {self.index} to the comm hook "
-                f"of model {self.owner}, which is gone or has no comm hook registered")
+                f"of model {self.model_id}, which is gone or has no comm hook registered")
         return _HookWork(hook, hook.start(self.index, self.count, tensors[0], self.names))
 
 
@@ -265,19 +262,19 @@ class _HookWork(dist.Work):
 _groups: dict[str, _BucketGroup] = {}
 
 
-def ensure_groups(owner: int, plan: str, buckets: Sequence[Sequence[str]],
+def ensure_groups(model_id: int, plan: str, buckets: Sequence[Sequence[str]],
                   group: dist.ProcessGroup) -> list[str]:
-    """Register the bucket groups of model ``owner``'s hooked buckets in the bucket plan
-    with hash ``plan``, given each bucket's gradient names in plan order, unless they
+    """Register the bucket groups of model ``model_id``'s hooked buckets in the bucket
+    plan with id ``plan``, given each bucket's gradient names in plan order, unless they
     are registered already (``destroy_process_group`` unregisters every group); return
     their names."""
     names = []
     for index, grads in enumerate(buckets):
-        name = group_name(owner, plan, index)
+        name = group_name(model_id, plan, index)
         pg = _groups.get(name)
-        if pg is None or _torch.resolve_process_group(name) is not pg:
-            pg = _BucketGroup(owner, index, len(buckets), grads, group.rank(), group.size())
-            _torch.register_process_group(name, pg)
+        if pg is None or _torch.distributed.resolve_process_group(name) is not pg:
+            pg = _BucketGroup(model_id, index, len(buckets), grads, group.rank(), group.size())
+            _torch.distributed.register_process_group(name, pg)
             _groups[name] = pg
         names.append(name)
     return names
@@ -285,4 +282,4 @@ def ensure_groups(owner: int, plan: str, buckets: Sequence[Sequence[str]],
 
 def registered(names: Sequence[str]) -> bool:
     """Whether these bucket groups are (still) registered."""
-    return all(_torch.resolve_process_group(n) is _groups.get(n) for n in names)
+    return all(_torch.distributed.resolve_process_group(n) is _groups.get(n) for n in names)

@@ -20,6 +20,7 @@ import time
 import torch
 
 import ddp_fusion
+from ddp_fusion import _torch
 from ddp_fusion.config import ALGORITHMS
 from ddp_fusion.launch import run_ranks
 
@@ -44,19 +45,15 @@ wrapper's eager bucketed reducer. unfused: compiled autograd, the pass removed, 
 blocking all-reduce per gradient. fused: compiled autograd and the pass."""
 
 
-@contextlib.contextmanager
 def _without_pass():
-    import torch._inductor.config as inductor_config
-
-    with inductor_config.patch(post_grad_custom_post_pass=None):
-        yield
+    return _torch.inductor.without_post_grad_pass()
 
 
 def _run(rank: int, world_size: int, args: argparse.Namespace, dump_dir: str) -> dict:
     results = {}
     for mode in MODES:
         enabled = mode != "eager_reducer"
-        torch._dynamo.reset()
+        torch.compiler.reset()
         with ddp_fusion.config.patch(
             enabled=enabled, algorithm=args.algorithm, dump_dir=dump_dir if mode == "fused" else None
         ), _without_pass() if mode == "unfused" else contextlib.nullcontext():
@@ -67,7 +64,7 @@ def _run(rank: int, world_size: int, args: argparse.Namespace, dump_dir: str) ->
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
             x = torch.randn(args.batch, args.width)
 
-            def step() -> None:
+            def step(model=model, opt=opt, x=x) -> None:
                 opt.zero_grad(set_to_none=False)
                 model(x).square().mean().backward()
                 opt.step()

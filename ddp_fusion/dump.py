@@ -2,26 +2,21 @@
 
 With ``config.dump_dir`` set, every graph the pass changes gets three files under one
 stem, ``rank<R>_graph<NNN>``: ``.before.txt`` and ``.after.txt`` (the graph as Python
-code) and ``.buckets.json``::
-
-    {"algorithm": "concat",
-     "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "bytes": 2048,
-                  "num_grads": 2, "grads": ["module.fc2.bias", "module.fc2.weight"]}],
-     "unfused": [{"node": "all_reduce_gradient_7", "reason": "..."}]}
-
-``grads`` lists each gradient's parameter name (or, from ``all_reduce_gradient`` called
-without ``name=``, its node's name) in the order they became ready.
+code) and ``.buckets.json``, the bucket plan (``ddp_fusion.plan``, which documents its
+JSON form). Its ``grads`` list each gradient's parameter name (or, from
+``all_reduce_gradient`` called without ``name=``, its node's name) in the order they
+became ready.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
-from typing import Any
 
 import torch.distributed as dist
 import torch.fx
+
+from .plan import BucketPlan
 
 _graph_ids = itertools.count()
 
@@ -30,7 +25,7 @@ def graph_code(graph: torch.fx.Graph) -> str:
     return graph.python_code(root_module="self").src
 
 
-def write(dump_dir: str, before: str, after: str, plan: dict[str, Any]) -> str:
+def write(dump_dir: str, before: str, after: str, plan: BucketPlan) -> str:
     """Write the three files; return their common path stem."""
     os.makedirs(dump_dir, exist_ok=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -40,6 +35,5 @@ def write(dump_dir: str, before: str, after: str, plan: dict[str, Any]) -> str:
     with open(stem + ".after.txt", "w") as f:
         f.write(after)
     with open(stem + ".buckets.json", "w") as f:
-        json.dump(plan, f, indent=1)
-        f.write("\n")
+        f.write(plan.to_json(indent=1) + "\n")
     return stem

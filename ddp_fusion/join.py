@@ -20,11 +20,14 @@ the compiled forward: :func:`prelude`)::
 joined rank, in :class:`JoinHook.main_hook`: the same collectives with zeros, the
 buckets taken from the plan the active ranks run (compiled: their plan hash arrives
 in the plan check's all-gather, the plan itself from the store, where every rank
-publishes a plan the first time it runs it; uncompiled: its own eager reducer's
-buckets, which are every rank's). ``divide_by_initial_world_size=False`` divides by
-the number of active ranks counted in the third all-reduce, read by the bucket
-scaling at run time (``verify.divisor``), so no recompile. ``post_hook`` broadcasts the
-parameters (and buffers) from the last rank to join, as torch DDP does.
+publishes a plan the first time it runs it, :func:`shadow_plan`; uncompiled: its own
+eager reducer's buckets, which are every rank's). ``divide_by_initial_world_size=False``
+divides by the number of active ranks counted in the third all-reduce, read by the
+bucket scaling at run time (``scaling.divisor``), so no recompile. ``post_hook``
+broadcasts the parameters (and buffers) from the last rank to join, as torch DDP does.
+
+The model's side is :class:`Joining`: what a data-parallel model offers the protocol
+(``GradSync`` is one).
 
 Forwards inside an enabled join context therefore have a graph break at their start
 (the prelude), and the in-graph buffer broadcast is replaced by the prelude's.
@@ -32,20 +35,37 @@ Forwards inside an enabled join context therefore have a graph break at their st
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from . import _torch, verify
+from . import _torch, comm_hooks, plan_check, scaling
 from .config import config
 
-if TYPE_CHECKING:
-    from .ddp import GradSync
 
-log = logging.getLogger("ddp_fusion")
+class Joining(Protocol):
+    """What a model offers the join protocol."""
+
+    group: dist.ProcessGroup
+    device: torch.device
+    module: torch.nn.Module
+    ignored: set[str]
+    """Parameter names the model does not reduce."""
+    state: Any
+    """Reads and sets ``require_backward_grad_sync``, ``forward_param_sync`` and
+    ``join_divide_by_initial``."""
+
+    def buffers_of(self) -> list[torch.Tensor] | None:
+        """The buffers the model broadcasts at a forward (None: it does not)."""
+
+    def broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
+        """``tensors`` become group rank ``src``'s."""
+
+    def shadow_uncompiled(self) -> None:
+        """A joined rank's part of one uncompiled backward (the eager reducer's)."""
+
 
 def _find_common_rank(group: dist.ProcessGroup, device: torch.device, candidate: bool) -> int:
     """The highest group rank among those that pass ``candidate`` (torch DDP's rule)."""
@@ -56,7 +76,7 @@ def _find_common_rank(group: dist.ProcessGroup, device: torch.device, candidate:
 
 
 @torch.compiler.disable
-def prelude(sync: GradSync, joinable: Any, buffers: list[torch.Tensor] | None) -> None:
+def prelude(sync: Joining, joinable: Any, buffers: list[torch.Tensor] | None) -> None:
     """An active rank's part of one step inside an enabled join context (above)."""
     Join.notify_join_context(joinable)
     group, state = sync.group, sync.state
@@ -64,19 +84,18 @@ def prelude(sync: GradSync, joinable: Any, buffers: list[torch.Tensor] | None) -
     # rule; the joined ranks learn it below)
     state.require_backward_grad_sync = bool(joinable.require_backward_grad_sync)
     if buffers and state.forward_param_sync:
-        src = _find_common_rank(group, sync.device, True)
-        _broadcast_from(buffers, group, src)
+        sync.broadcast(buffers, _find_common_rank(group, sync.device, True))
     syncs = torch.is_grad_enabled() and state.require_backward_grad_sync
     flags = torch.tensor([1.0, float(syncs), float(config.enabled)], device=sync.device)
     dist.all_reduce(flags, group=group)
     active = int(flags[0].item())
-    verify.set_divisor(group, group.size() if state.join_divide_by_initial else active)
+    scaling.set_divisor(group, group.size() if state.join_divide_by_initial else active)
 
 
 class DDPJoinHook(JoinHook):
     """A joined rank's shadow of the active ranks' steps (module docstring)."""
 
-    def __init__(self, sync: GradSync, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, sync: Joining, divide_by_initial_world_size: bool) -> None:
         if not isinstance(divide_by_initial_world_size, bool):
             raise TypeError(
                 "join(): divide_by_initial_world_size must be True or False, got "
@@ -91,8 +110,7 @@ class DDPJoinHook(JoinHook):
         group, state, device = sync.group, sync.state, sync.device
         buffers = sync.buffers_of()
         if buffers and state.forward_param_sync:
-            src = _find_common_rank(group, device, False)
-            _broadcast_from(buffers, group, src)
+            sync.broadcast(buffers, _find_common_rank(group, device, False))
         flags = torch.zeros(3, device=device)
         dist.all_reduce(flags, group=group)
         syncs, compiled = flags[1].item() > 0, flags[2].item() > 0
@@ -100,9 +118,9 @@ class DDPJoinHook(JoinHook):
         if not syncs:
             return
         if compiled:
-            verify.shadow_plan(group, device)
+            shadow_plan(group, device)
         else:
-            sync.reducer.shadow()
+            sync.shadow_uncompiled()
         self.shadowed_steps += 1
 
     def post_hook(self, is_last_joiner: bool) -> None:
@@ -111,21 +129,40 @@ class DDPJoinHook(JoinHook):
         src = _find_common_rank(sync.group, sync.device, is_last_joiner)
         tensors = [p.detach() for n, p in sync.module.named_parameters() if n not in sync.ignored]
         tensors += sync.buffers_of() or []
-        _broadcast_from(tensors, sync.group, src)
+        sync.broadcast(tensors, src)
         # every rank has joined: buckets divide by the group size again (the next
         # enabled prelude, if any, sets the divisor for its own step)
-        verify.set_divisor(sync.group, None)
+        scaling.set_divisor(sync.group, None)
 
 
-@torch.no_grad()
-def _broadcast_from(tensors: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
-    """``tensors`` become group rank ``src``'s: one broadcast per (dtype, device)."""
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        t = _torch.local_tensor(t)
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for same in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
-        for t, part in zip(same, flat.split([t.numel() for t in same])):
-            t.copy_(part.view_as(t))
+def shadow_plan(group: dist.ProcessGroup, device: torch.device) -> None:
+    """A joined rank's part of one fused backward of ``group``'s active ranks: the plan
+    check's all-gather, sending :data:`plan_check.JOINED`, which brings the active
+    ranks' plan hash; then that plan's buckets, all-reduced as zeros in the same order,
+    sizes and dtypes, with the same collective (``concat``: one flat all-reduce per
+    bucket; ``coalesced``: one coalesced all-reduce of the bucket's gradients; a hooked
+    bucket: the model's comm hook, on zeros, as torch DDP)."""
+    everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
+    mine = torch.full((1,), plan_check.JOINED, dtype=torch.int64, device=device)
+    dist.all_gather_single(everyone, mine, group=group)
+    hashes = sorted({h for h in everyone.tolist() if h != plan_check.JOINED})
+    if len(hashes) != 1:  # the active ranks raise PlanMismatchError at the same step
+        raise plan_check.PlanMismatchError(
+            f"ddp_fusion: join(): the active ranks of process group {group.group_name!r} "
+            f"run {len(hashes)} different bucket plans; this joined rank cannot shadow them"
+        )
+    plan = plan_check.published_plan(hashes[0])
+    plan_check.hook_groups(plan, group)
+    funcol = _torch.distributed.c10d_functional
+    for b in plan_check.parse(plan).buckets:
+        if b.hook is not None:
+            flat = torch.zeros(sum(b.numels), dtype=b.wire_dtype, device=device)
+            name = comm_hooks.group_name(b.hook[0], plan_check.plan_id(plan), b.hook[1])
+            funcol.wait_tensor(funcol.all_reduce(flat, "sum", name))
+        elif b.algorithm == "coalesced":
+            zeros = [torch.zeros(n, dtype=b.wire_dtype, device=device) for n in b.numels]
+            for t in funcol.all_reduce_coalesced(zeros, "sum", group.group_name):
+                funcol.wait_tensor(t)
+        else:
+            flat = torch.zeros(sum(b.numels), dtype=b.wire_dtype, device=device)
+            funcol.wait_tensor(funcol.all_reduce(flat, "sum", group.group_name))

@@ -7,6 +7,17 @@ scaled, or a tensor-parallel ``all_reduce`` in the same graph changes nothing.
 
 Run eagerly (no compile, or compiled with the pass off) the op is a plain blocking
 ``all_reduce`` of one gradient: correct, one collective per gradient.
+
+Its eight arguments::
+
+    all_reduce_gradient(grad, group_name, reduce_op, bucket_limits, name,
+                        comm_dtype=None, ready_order=-1, model_id=-1)
+
+``bucket_limits``, ``name``, ``ready_order`` and ``model_id`` are for the pass (the plan,
+the dumps): ``ready_order`` is the gradient's position in eager autograd's ready order
+(the order eager DDP buckets in), or -1 if unknown (the pass then uses graph order);
+``model_id`` is the model whose hook made the call (its gradients never share a bucket
+with another model's, as two eager DDP models never do), or -1.
 """
 
 from __future__ import annotations
@@ -17,13 +28,23 @@ import torch
 import torch.distributed as dist
 
 from . import _torch
+from .plan import ddp_bucket_limits
 
 REDUCE_OPS = ("avg", "sum")
-"""``avg``: divide by the group size, then sum (DDP's mean). ``sum``: sum only. (The
-hooks also tag ``"hook"``: the model's comm hook reduces the bucket, comm_hooks.py.)"""
+"""``avg``: divide by the group size, then sum (DDP's mean). ``sum``: sum only."""
+
+HOOK = "hook"
+"""The reduce op of a gradient whose model has a comm hook: the hook reduces its bucket
+(comm_hooks.py)."""
+
+#: Tags for ddp_fusion's ops: they talk to other ranks (and read values on the host),
+#: so a CUDA graph must never capture them; Inductor splits graphs around such ops.
+CUDAGRAPH_UNSAFE: tuple[torch.Tag, ...] = (
+    (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+)
 
 
-@torch.library.custom_op("ddp_fusion::all_reduce_gradient", mutates_args=(), tags=_torch.CUDAGRAPH_UNSAFE)
+@torch.library.custom_op("ddp_fusion::all_reduce_gradient", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _all_reduce_gradient(
     grad: torch.Tensor,
     group_name: str,
@@ -32,20 +53,15 @@ def _all_reduce_gradient(
     name: str,
     comm_dtype: torch.dtype | None = None,
     ready_order: int = -1,
-    owner: int = -1,
+    model_id: int = -1,
 ) -> torch.Tensor:
-    # bucket_limits, name, ready_order and owner are for the pass (bucket plan, dumps);
-    # unused here. ready_order: this gradient's position in eager autograd's ready order
-    # (the order eager DDP buckets in), or -1 if unknown (the pass then uses graph
-    # order). owner: the wrapper whose hook made the call (its gradients never share a
-    # bucket with another wrapper's, as two eager DDP models never do), or -1.
-    if reduce_op == "hook":
+    if reduce_op == HOOK:
         raise RuntimeError(
             f"ddp_fusion: gradient {name!r} of a model with a comm hook reached its "
             "all-reduce unfused (the pass could not fuse it, or did not run on this graph; "
             "see the 'unfused' warning); a comm hook runs on fused buckets only"
         )
-    group = _torch.resolve_process_group(group_name)
+    group = _torch.distributed.resolve_process_group(group_name)
     if group is None:
         raise RuntimeError(
             f"ddp_fusion.all_reduce_gradient: process group {group_name!r} is not "
@@ -60,7 +76,7 @@ def _all_reduce_gradient(
 
 
 @_all_reduce_gradient.register_fake
-def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1, owner=-1):
+def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1, model_id=-1):
     # The gradient's strides if it is dense (else contiguous), as empty_like gives:
     # what every fused form returns (views of the reduced bucket, passes/concat.py).
     return torch.empty_like(grad)
@@ -68,3 +84,67 @@ def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_o
 
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
 
+
+def default_group(group: dist.ProcessGroup | None, who: str) -> dist.ProcessGroup:
+    """``group``, or the world if None. Raises ``RuntimeError`` naming ``who`` if
+    ``torch.distributed`` is not initialized."""
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{who}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() first or pass a process group"
+        )
+    return dist.group.WORLD
+
+
+def all_reduce_gradient(
+    grad: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    reduce_op: str = "avg",
+    bucket_cap_mb: float | None = None,
+    bucket_cap_mb_list: Sequence[float] | None = None,
+    name: str = "",
+    comm_dtype: torch.dtype | None = None,
+    ready_order: int | None = None,
+) -> torch.Tensor:
+    """All-reduce one gradient over ``group``, tagged for fusion.
+
+    Gradients reduced with the same group, dtype, device, reduce op and bucket arguments
+    are bucketed together by the pass when a function that calls this is traced
+    (``make_fx`` or ``torch.compile``); run eagerly it is one blocking all-reduce.
+
+    Args:
+        grad: the local gradient.
+        group: the process group (default: the world).
+        reduce_op: ``"avg"`` (the default, DDP's) divides by the group size before
+            summing; ``"sum"`` only sums.
+        bucket_cap_mb, bucket_cap_mb_list: as for
+            :class:`torch.nn.parallel.DistributedDataParallel`.
+        name: labels the gradient in dumps (a parameter's name, say).
+        comm_dtype: cast to it, scale, sum and cast back (torch's fp16/bf16 compress
+            hooks, or an fp32 reduction of bf16 gradients).
+        ready_order: the gradient's position in the order eager autograd makes
+            gradients ready, if known; the pass buckets in that order instead of the
+            graph's when every gradient of the graph has one.
+
+    Returns:
+        A new tensor, the reduced gradient; ``grad`` is not modified.
+    """
+    if not isinstance(grad, torch.Tensor):
+        raise TypeError(f"all_reduce_gradient: grad must be a Tensor, got {type(grad).__name__}")
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(
+            f"all_reduce_gradient: reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}"
+        )
+    group = default_group(group, "all_reduce_gradient")
+    limits = ddp_bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
+    if ready_order is not None and (
+        isinstance(ready_order, bool) or not isinstance(ready_order, int) or ready_order < 0
+    ):
+        raise ValueError(
+            f"all_reduce_gradient: ready_order must be a non-negative int or None, got {ready_order!r}"
+        )
+    ready = -1 if ready_order is None else ready_order
+    return ALL_REDUCE_GRADIENT(grad, group.group_name, reduce_op, limits, name, comm_dtype, ready)

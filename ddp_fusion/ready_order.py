@@ -19,15 +19,12 @@ logged once and counted in ``counters["ddp_fusion"]["ready order: graph's"]``.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
 from . import _torch
-
-log = logging.getLogger("ddp_fusion")
+from .log import log
 
 
 def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwargs: Any) -> list[int]:
@@ -36,17 +33,15 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
     **kwargs)``'s floating-point outputs; parameters that get no gradient come last, in
     reverse order (where eager DDP's rebuild puts them). The module's state is restored
     afterwards, whatever its forward assigned (a cache built on first use, say)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode()
+    mode = _torch.tensors.fake_mode()
     index = {n: i for i, n in enumerate(names)}
     order: list[int] = []
 
     def fake(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        shape = [_torch.concrete_int(s) for s in t.shape]
-        stride = [_torch.concrete_int(s) for s in t.stride()]
+        shape = [_torch.dynamo.concrete_int(s) for s in t.shape]
+        stride = [_torch.dynamo.concrete_int(s) for s in t.stride()]
         with mode:
             return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
 
@@ -54,7 +49,8 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
     try:
         # compiled code inside the model (a torch.compile'd submodule, Lightning's
         # compiled training_step) runs eagerly here: compiled, it cannot take fake tensors
-        with _torch.disable_compiled_autograd(), torch.enable_grad(), _torch.run_compiled_code_eagerly():
+        with _torch.compiled_autograd.disabled(), torch.enable_grad(), \
+                _torch.dynamo.run_compiled_code_eagerly():
             state: dict[str, torch.Tensor] = {}
             for n, p in module.named_parameters():
                 f = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
@@ -63,11 +59,11 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
                 state[n] = f
             for n, b in module.named_buffers():
                 state[n] = mode.from_tensor(b.detach())
-            fake_args, fake_kwargs = tree_map(fake, (args, kwargs))
+            fake_args, fake_kwargs = _torch.tensors.tree_map(fake, (args, kwargs))
             with mode:
                 out = torch.func.functional_call(module, state, fake_args, fake_kwargs)
                 losses = [
-                    o.sum() for o in tree_leaves(out)
+                    o.sum() for o in _torch.tensors.tree_leaves(out)
                     if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
                 ]
                 if not losses:
@@ -104,13 +100,11 @@ def _restore(saved: list[tuple[torch.nn.Module, dict, dict, dict, dict]]) -> Non
 def _fake_attributes(module: torch.nn.Module) -> list[str]:
     """Attributes (one level into lists, tuples and dicts) that hold fake tensors: what
     a forward mutated in place and ``_restore`` could not undo."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     found = []
     for prefix, m in module.named_modules():
         for k, v in m.__dict__.items():
             values = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
-            if any(isinstance(x, FakeTensor) for x in values):
+            if any(_torch.tensors.is_fake(x) for x in values):
                 found.append(f"{prefix}.{k}" if prefix else k)
     return found
 
@@ -120,7 +114,7 @@ _warned: set[str] = set()
 
 def graph_order(reason: str) -> None:
     """Count, and warn once per reason, that buckets follow the compiled graph's order."""
-    _torch.counters()["ddp_fusion"]["ready order: graph's"] += 1
+    _torch.dynamo.counters()["ddp_fusion"]["ready order: graph's"] += 1
     if reason not in _warned:
         _warned.add(reason)
         log.warning(

@@ -13,7 +13,7 @@ Used whenever the gradient hooks run eagerly (no ``torch.compile``, or compiled 
 
 Buckets start in reverse parameter order (DDP's guess); after the first synchronized
 backward they are rebuilt once from rank 0's observed ready order, with the same bucket
-limits the compiled path uses (``passes.bucketing``). With ``find_unused_parameters``
+limits and rule the compiled path uses (``ddp_fusion.plan``). With ``find_unused_parameters``
 they are never rebuilt, as in eager DDP.
 
 With ``gradient_as_bucket_view=True`` (eager DDP's option) each ``.grad`` is a view of
@@ -33,12 +33,12 @@ this rank raises an error naming the parameters.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
-from . import _torch, comm_hooks, verify
+from . import _torch, comm_hooks, scaling
+from .plan import split_by_rule
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ class EagerReducer:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         # For DTensor parameters: the local shards (sizes and dtypes of what is reduced).
-        self.local = [_torch.local_tensor(p.detach()) for p in self.params]
+        self.local = [_torch.tensors.local_tensor(p.detach()) for p in self.params]
         self.group = group
         self.limits = limits
         self.comm_dtype = comm_dtype
@@ -98,22 +98,14 @@ class EagerReducer:
 
     # -- bucket assignment ---------------------------------------------------------
     def _build(self, order: list[int]) -> None:
-        """DDP's rule over ``order``: per (dtype, device), close a bucket once its bytes
-        reach the current limit; the next limit then applies (the last repeats)."""
-        open_: dict[tuple, list[int]] = {}
-        size: dict[tuple, int] = defaultdict(int)
-        limit_i: dict[tuple, int] = defaultdict(int)
-        groups: list[list[int]] = []
-        for i in order:
-            p = self.local[i]
-            key = (p.dtype, p.device)
-            open_.setdefault(key, []).append(i)
-            size[key] += p.numel() * p.element_size()
-            if size[key] >= self.limits[limit_i[key]]:
-                groups.append(open_.pop(key))
-                size[key] = 0
-                limit_i[key] = min(limit_i[key] + 1, len(self.limits) - 1)
-        groups.extend(open_.values())
+        """DDP's rule (``plan.split_by_rule``) over ``order``, per (dtype, device)."""
+        local = self.local
+        groups = split_by_rule(
+            order,
+            nbytes=lambda i: local[i].numel() * local[i].element_size(),
+            limits=self.limits,
+            key=lambda i: (local[i].dtype, local[i].device),
+        )
         self.buckets = []
         self.bucket_of: dict[int, tuple[int, int]] = {}  # param -> (bucket, offset)
         for b, members in enumerate(groups):
@@ -150,7 +142,7 @@ class EagerReducer:
     def _start_backward(self) -> None:
         # Keyed by the autograd pass, not a flag: if a backward fails halfway (its end
         # callback never runs), the next one still starts from a clean state.
-        self._backward_id = _torch.current_backward_id()
+        self._backward_id = _torch.tensors.current_backward_id()
         if self.hook is not None:
             comm_hooks.drop_in_flight()  # left by a backward that failed halfway
         self._next = 0
@@ -159,16 +151,16 @@ class EagerReducer:
         for b in self.buckets:
             b.pending = len(b.params)
             b.work = b.flight = None
-        _torch.queue_backward_callback(self._finish_backward)
+        _torch.tensors.queue_backward_callback(self._finish_backward)
 
     def grad_ready(self, index: int) -> None:
         """Called by parameter ``index``'s post-accumulate-grad hook."""
-        if self._backward_id != _torch.current_backward_id():
+        if self._backward_id != _torch.tensors.current_backward_id():
             self._start_backward()
         b, offset = self.bucket_of[index]
         bucket = self.buckets[b]
         param = self.params[index]
-        grad = _torch.local_tensor(param.grad)
+        grad = _torch.tensors.local_tensor(param.grad)
         if self.gradient_as_bucket_view:
             view = self._view(index)
             if not _same_memory(grad, view):  # autograd made a new tensor: move it in
@@ -193,7 +185,7 @@ class EagerReducer:
             sent = bucket.buffer
             if self.comm_dtype is not None and sent.dtype != self.comm_dtype:
                 sent = bucket.sent = sent.to(self.comm_dtype)
-            sent.div_(verify.divisor(self.group))
+            sent.div_(scaling.divisor(self.group))
             bucket.work = dist.all_reduce(sent, group=self.group, async_op=True)
             self._next += 1
 
@@ -208,8 +200,9 @@ class EagerReducer:
                 slot = b.buffer[offset : offset + self.local[i].numel()]
                 if grad is None:
                     slot.zero_()
-                elif not (self.gradient_as_bucket_view and _same_memory(_torch.local_tensor(grad), self._view(i))):
-                    slot.copy_(_torch.local_tensor(grad).reshape(-1))
+                elif not (self.gradient_as_bucket_view
+                          and _same_memory(_torch.tensors.local_tensor(grad), self._view(i))):
+                    slot.copy_(_torch.tensors.local_tensor(grad).reshape(-1))
             b.pending = 0
         self._launch_ready()
         used = self._used
@@ -232,9 +225,9 @@ class EagerReducer:
                 if self.gradient_as_bucket_view and (p.grad is not None or used[i]):
                     p.grad = reduced  # already is, unless it was unused here
                 elif p.grad is not None:
-                    _torch.local_tensor(p.grad).copy_(reduced)
+                    _torch.tensors.local_tensor(p.grad).copy_(reduced)
                 elif used[i]:  # unused here, used elsewhere: DDP gives it the average
-                    if _torch.is_dtensor(p):
+                    if _torch.tensors.is_dtensor(p):
                         raise NotImplementedError(
                             f"find_unused_parameters with DTensor parameter {self.names[i]!r}"
                         )

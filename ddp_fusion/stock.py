@@ -7,7 +7,7 @@ constructor has run (its checks, the parameter broadcast, its C++ reducer):
 * the C++ reducer is taken out of the gradients' path (its autograd hooks removed;
   compiled autograd cannot run them) and forward takes the path torch takes for its
   own python reducer, so DDPOptimizer never splits the graph;
-* the parameters get ddp_fusion's per-parameter hooks (``ddp.GradSync``), with this
+* the parameters get ddp_fusion's per-parameter hooks (``grad_sync.GradSync``), with this
   DDP's process group, ``bucket_cap_mb`` / ``bucket_cap_mb_list`` and
   ``find_unused_parameters``; the pass fuses them as it fuses the wrapper's;
 * each forward does what eager DDP's does around the module: move inputs to
@@ -18,10 +18,10 @@ constructor has run (its checks, the parameter broadcast, its C++ reducer):
   model's group onto the fused buckets' communication dtype, and calls any other hook
   on each bucket (comm_hooks.py); ``join()`` shadows the fused buckets (join.py);
 * torch's C++ reducer is replaced by a placeholder (it held a bucket buffer for every
-  gradient, ``_torch.detach_cpp_reducer``).
+  gradient, ``_torch.ddp.detach_cpp_reducer``).
 
 The instance's class becomes a subclass of its own (same name; ``isinstance`` holds),
-whose few overrides are in ``_torch.adopted_ddp_class``. A DDP adopted stays adopted
+whose few overrides are in ``_torch.ddp.adopted_class``. A DDP adopted stays adopted
 when the flag goes off (its hooks then go through the eager bucketed reducer). A torch
 DDP constructed while the flag was off keeps torch's C++ reducer; its forward with the
 flag on raises (``_install._refuse_cpp_reducer``).
@@ -35,15 +35,15 @@ from typing import Any
 from torch import nn
 
 from . import _torch
-from .ddp import GradSync
-from .passes.bucketing import ddp_bucket_limits
+from .grad_sync import GradSync
+from .plan import ddp_bucket_limits
 
 WHO = "torch.nn.parallel.DistributedDataParallel (ddp_fusion)"
 
 
 def refuse_arguments(arguments: dict[str, Any]) -> None:
     """Before torch's constructor: what ddp_fusion cannot honour, refused by name."""
-    if _torch.dynamo_optimize_ddp_mode() == "python_reducer":
+    if _torch.dynamo.optimize_ddp_mode() == "python_reducer":
         raise ValueError(
             "torch._dynamo.config.optimize_ddp is 'python_reducer' (upstream's compiled "
             "DDP) and ddp_fusion.config.enabled is on: both would reduce this model's "
@@ -65,7 +65,7 @@ def refuse_arguments(arguments: dict[str, Any]) -> None:
 
 def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -> None:
     """Right after torch's constructor: reduce ``ddp``'s gradients with ddp_fusion."""
-    ignored = _torch.stock_ddp_ignored_names(ddp)
+    ignored = _torch.ddp.ignored_names(ddp)
     module = ddp.module
     params = [
         (n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored
@@ -90,25 +90,25 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
         WHO,
         bool(arguments.get("gradient_as_bucket_view")),
     )
-    _torch.detach_cpp_reducer(ddp)
+    _torch.ddp.detach_cpp_reducer(ddp)
     ddp._ddp_fusion = sync
     me = weakref.ref(ddp)
     sync.buffers_of = lambda: _buffers(me())
     sync.ignored = ignored
-    ddp.__class__ = _torch.adopted_ddp_class(type(ddp), _BEHAVIOUR)
+    ddp.__class__ = _torch.ddp.adopted_class(type(ddp), _BEHAVIOUR)
 
 
 def adopted(ddp: Any) -> GradSync | None:
     return getattr(ddp, "_ddp_fusion", None)
 
 
-class _Behaviour(_torch.AdoptedDDPBehaviour):
+class _Behaviour(_torch.ddp.AdoptedBehaviour):
     def pre_forward(self, ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _torch.stock_ddp_has_buffer_comm_hook(ddp):
+        if _torch.ddp.has_buffer_comm_hook(ddp):
             raise NotImplementedError(
                 f"{WHO}: register_buffer_comm_hook is not supported with ddp_fusion"
             )
-        inputs, kwargs = _torch.stock_ddp_move_inputs(ddp, inputs, kwargs)
+        inputs, kwargs = _torch.ddp.move_inputs(ddp, inputs, kwargs)
         sync: GradSync = ddp._ddp_fusion
         sync.before_forward(inputs, kwargs, _buffers(ddp), ddp, ddp.require_backward_grad_sync)
         return inputs, kwargs
@@ -127,7 +127,7 @@ def _buffers(ddp: Any) -> list | None:
     """The buffers torch DDP broadcasts at a forward (None: broadcast_buffers off)."""
     if ddp is None or not ddp.broadcast_buffers:
         return None
-    ignored = _torch.stock_ddp_ignored_names(ddp)
+    ignored = _torch.ddp.ignored_names(ddp)
     return [b for n, b in ddp.module.named_buffers() if n not in ignored]
 
 

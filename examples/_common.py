@@ -69,4 +69,5 @@ def finish(args, ddp, collectives: int) -> None:
     if args.out:
         with open(f"{args.out}.{dist.get_rank()}.json", "w") as f:
             json.dump(info, f)
-        torch.save({n: p.detach() for n, p in ddp.module.named_parameters()}, f"{args.out}.{dist.get_rank()}.pt")
+        params = {n: p.detach() for n, p in ddp.module.named_parameters()}
+        torch.save(params, f"{args.out}.{dist.get_rank()}.pt")

@@ -3,12 +3,14 @@
 (``torchft/manager_integ_test.py``, ``ddp_train_loop``) does, optionally compiled with
 ddp_fusion on. Run by tests/test_torchft.py:
 
-    python tests/_torchft_replica.py --replica 0 --lighthouse ADDR --steps 6 --out OUT [--compiled] [--kill-at 3]
+    python tests/_torchft_replica.py --replica 0 --lighthouse ADDR --steps 6 --out OUT \
+        [--compiled] [--kill-at 3]
 
 Each step's data comes from (replica, manager step), so a step retried after a failure
 sees the same data. With ``--kill-at S`` the process kills itself (SIGKILL) in the middle
 of step S, after the forward. A backward that fails because the manager's all-reduce
-failed (the other replica died) is a discarded step (see the HACK below). Writes ``OUT.pt`` (model and optimizer state) and
+failed (the other replica died) is a discarded step (see the HACK below). Writes ``OUT.pt``
+(model and optimizer state) and
 ``OUT.json`` (per attempted step: the manager step, participants, whether it committed,
 the bucket all-reduces sent through the manager; ddp_fusion's counters).
 """
@@ -32,7 +34,9 @@ class MyModel(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(3, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.layers = nn.Sequential(
+            nn.Linear(3, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+        )
 
     def forward(self, x):
         return self.layers(x)
@@ -124,7 +128,7 @@ def main() -> None:
     torch.save(state_dict(), args.out + ".pt")
     with open(args.out + ".json", "w") as f:
         json.dump({"log": log, "adopted": hasattr(ddp, "_ddp_fusion"),
-                   "ddp_fusion": dict(_torch.counters()["ddp_fusion"])}, f)
+                   "ddp_fusion": dict(_torch.dynamo.counters()["ddp_fusion"])}, f)
     manager.shutdown(wait=False)
 
 

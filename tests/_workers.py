@@ -16,7 +16,7 @@ def mlp(width=64, depth=4, seed=0, bias=False):
     gradient, eager autograd the other way round; see README, "Limits")."""
     torch.manual_seed(seed)
     layers = []
-    for i in range(depth):
+    for _ in range(depth):
         layers += [torch.nn.Linear(width, width, bias=bias), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers[:-1])
 
@@ -91,7 +91,7 @@ class TwoBranch(torch.nn.Module):
 def mismatched_plans(rank, world_size):
     """Rank 1 never uses ``b``: its backward reduces fewer gradients. Returns the error
     each rank raised (there must be one, not a hang)."""
-    from ddp_fusion.verify import PlanMismatchError
+    from ddp_fusion import PlanMismatchError
 
     with ddp_fusion.config.patch(enabled=True):
         model = torch.compile(ddp_fusion.DistributedDataParallel(TwoBranch(use_b=rank == 0)))
@@ -106,7 +106,7 @@ def plans_diverge_at_step_3(rank, world_size):
     """Both ranks use ``b`` for two steps; at the third, rank 1 stops using it (its
     backward recompiles with fewer gradients). Returns (step, error) on each rank: every
     rank must raise PlanMismatchError at that step, not hang in mismatched collectives."""
-    from ddp_fusion.verify import PlanMismatchError
+    from ddp_fusion import PlanMismatchError
 
     with ddp_fusion.config.patch(enabled=True):
         net = TwoBranch()
@@ -130,7 +130,7 @@ def different_models(rank, world_size):
 
 def _steps(model, batches, lr=0.05, before_step=None):
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for i, x in enumerate(batches):
+    for x in batches:
         opt.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
@@ -317,7 +317,7 @@ def dtensor_tp_compare(rank, world_size, compiled):
     return {
         "max_diff": max((p.full_tensor() - q).abs().max().item()
                         for p, q in zip(tp_model.parameters(), full.parameters())),
-        "ddp_fusion": dict(_torch.counters()["ddp_fusion"]),
+        "ddp_fusion": dict(_torch.dynamo.counters()["ddp_fusion"]),
     }
 
 

@@ -9,7 +9,7 @@ import torch
 
 import ddp_fusion
 from ddp_fusion import _torch
-from ddp_fusion.passes.bucketing import ddp_bucket_limits
+from ddp_fusion.plan import ddp_bucket_limits
 
 from _workers import train
 
@@ -40,7 +40,7 @@ def eager_buckets(model, limits):
         p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n))
     model(torch.randn(2, 300)).sum().backward()
     params = dict(model.named_parameters())
-    buckets = _torch.compute_bucket_assignment_by_size(
+    buckets = _torch.ddp.compute_bucket_assignment_by_size(
         [params[n] for n in order], limits, list(range(len(order)))
     )
     return [[order[i] for i in b] for b in buckets]
@@ -102,7 +102,7 @@ def first_batches_differ(rank, world_size):
     """Rank 0's first batch has 8 rows, rank 1's 3: each would learn another ready
     order. Every rank must take rank 0's (as eager DDP rebuilds from rank 0's), so the
     compiled plans agree; returns each rank's learned positions and any error."""
-    from ddp_fusion.verify import PlanMismatchError
+    from ddp_fusion import PlanMismatchError
 
     torch._dynamo.reset()
     with ddp_fusion.config.patch(enabled=True):

@@ -143,7 +143,8 @@ def count_calls(base, batches):
         torch._dynamo.reset()
         with ddp_fusion.config.patch(enabled=kind == "compiled"):
             if kind == "torch":
-                model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_SEVERAL)
+                model = torch.nn.parallel.DistributedDataParallel(
+                    copy.deepcopy(base), bucket_cap_mb=CAP_SEVERAL)
             else:
                 model = ddp_fusion.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_SEVERAL)
             model.register_comm_hook(None, counting)

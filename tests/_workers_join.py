@@ -42,7 +42,7 @@ def _train_joined(model, ddp, batches, divide, throw=False):
     ctx.__enter__()
     try:
         for x in batches:
-            def step():
+            def step(x=x):
                 opt.zero_grad()
                 model(x).square().mean().backward()
                 opt.step()

@@ -21,7 +21,8 @@ def _steps(model, batches, lr=1e-3):
         opt.zero_grad()
         loss_of(model, batch).backward()
         if not first:
-            first.update({n: p.grad.clone() for n, p in model.module.named_parameters() if p.grad is not None})
+            first.update({n: p.grad.clone() for n, p in model.module.named_parameters()
+                          if p.grad is not None})
         opt.step()
 
     for b in batches[:-1]:
@@ -72,7 +73,7 @@ def real_model(rank, world_size, name, steps=3, bucket_cap_mb=0.05, floor=True):
     eager_buckets = len(logged.get("rebuilt_bucket_sizes", logged["bucket_sizes"]).split(","))
 
     torch._dynamo.reset()
-    counters = _torch.counters()
+    counters = _torch.dynamo.counters()
     counters.clear()
     with ddp_fusion.config.patch(enabled=True):
         ddp = stock(copy.deepcopy(base), **kw)

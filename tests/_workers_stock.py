@@ -55,7 +55,7 @@ def stock_ddp(rank, world_size):
     ref = stock(copy.deepcopy(base), bucket_cap_mb=0.03)
     want_collectives = _train(ref, batches)
     torch._dynamo.reset()
-    counters = _torch.counters()
+    counters = _torch.dynamo.counters()
     counters.clear()
     with ddp_fusion.config.patch(enabled=True):
         ddp = stock(copy.deepcopy(base), bucket_cap_mb=0.03)
@@ -110,7 +110,8 @@ def stock_ddp(rank, world_size):
     }
 
     # 4. torch's fp16 / bf16 compress hooks become the buckets' communication dtype.
-    for name, hook in (("fp16", default_hooks.fp16_compress_hook), ("bf16", default_hooks.bf16_compress_hook)):
+    hooks = (("fp16", default_hooks.fp16_compress_hook), ("bf16", default_hooks.bf16_compress_hook))
+    for name, hook in hooks:
         base = mlp(width=32, depth=3, bias=True)
         hb = [torch.randn(8, 32, generator=gen) * (1 + rank) for _ in range(3)]
         ref = stock(copy.deepcopy(base), bucket_cap_mb=0.005)

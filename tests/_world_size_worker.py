@@ -25,7 +25,7 @@ from ddp_fusion import _torch
 
 
 def main(world_size: int) -> None:
-    dist.init_process_group("fake", store=_torch.fake_store(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=_torch.distributed.fake_store(), rank=0, world_size=world_size)
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
@@ -58,7 +58,7 @@ def elastic() -> None:
     ddp_fusion.config.enabled = True
     errors = {}
     for world_size in (2, 4):
-        dist.init_process_group("fake", store=_torch.fake_store(), rank=0, world_size=world_size)
+        dist.init_process_group("fake", store=_torch.distributed.fake_store(), rank=0, world_size=world_size)
         if world_size == 2:
             model = torch.compile(ddp_fusion.DistributedDataParallel(net))
         for p in net.parameters():

@@ -11,5 +11,5 @@ def fake_pg():
     """The default process group: ``backend="fake"``, rank 0 of 2. Collectives do no
     communication (an all-reduce returns its input unchanged)."""
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=_torch.fake_store(), rank=0, world_size=2)
+        dist.init_process_group("fake", store=_torch.distributed.fake_store(), rank=0, world_size=2)
     yield dist.group.WORLD

@@ -10,13 +10,12 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.parallel.distributed import _BucketCapacityConfig
 
 import ddp_fusion
 from ddp_fusion import _torch
-from ddp_fusion.passes.bucketing import ddp_bucket_limits
+from ddp_fusion.plan import ddp_bucket_limits
 from ddp_fusion.passes.collectives import find_gradient_all_reduces
 from ddp_fusion.passes.bucketing import plan_buckets
 
@@ -85,7 +84,7 @@ def test_boundaries_match_torch_ddp(args, seed):
     # sizes from scalars to ~2 MiB, so every limit in BUCKET_ARGS is crossed
     spec = [(rng.choice([1, 7, 300, 4096, 65536, 262144, 524288]), rng.choice(dtypes)) for _ in range(60)]
     ours, grads = planned(spec, **args)
-    theirs = _torch.compute_bucket_assignment_by_size(
+    theirs = _torch.ddp.compute_bucket_assignment_by_size(
         grads, torch_rebuild_limits(**args), list(range(len(grads)))
     )
     # torch appends the still-open buckets of each (dtype, device) at the end, in hash

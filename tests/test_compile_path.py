@@ -102,9 +102,9 @@ def test_enabled_installs_next_to_user_pass_and_restores_it():
             assert isinstance(installed, _install._Chain)
             assert installed.passes == (user, _install.THE_PASS)
             assert installed.uuid()[0] == "user-pass"
-            assert _install._torch.compiled_autograd_active()
+            assert _install._torch.compiled_autograd.active()
         assert inductor_config.post_grad_custom_post_pass is user
-        assert not _install._torch.compiled_autograd_active()
+        assert not _install._torch.compiled_autograd.active()
     finally:
         inductor_config.post_grad_custom_post_pass = saved
 

@@ -162,7 +162,7 @@ class TestWrapperArguments:
 
     def test_already_wrapped(self):
         inner = ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2))
-        with pytest.raises(ValueError, match="^module is already wrapped in ddp_fusion.ddp.Distributed"):
+        with pytest.raises(ValueError, match="^module is already wrapped in ddp_fusion.wrapper.Distributed"):
             ddp_fusion.DistributedDataParallel(inner)
         inner = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
         with pytest.raises(ValueError, match="^module is already wrapped in torch.nn.parallel"):
@@ -170,7 +170,8 @@ class TestWrapperArguments:
 
     def test_integer_parameter(self):
         m = torch.nn.Linear(2, 2)
-        m.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+        count = torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+        m.register_parameter("count", count)
         ddp_fusion.DistributedDataParallel(m)  # frozen: fine
         # (torch itself refuses an integer parameter that requires grad)
         m.extra = torch.nn.Parameter(torch.zeros(1, dtype=torch.float16).to_sparse())
@@ -189,7 +190,8 @@ class TestWrapperArguments:
             ddp_fusion.DistributedDataParallel(
                 torch.nn.Linear(2, 2), process_group=dist.group.WORLD, device_mesh=mesh["dp"]
             )
-        with pytest.raises(ValueError, match=r"^device_mesh must be the 1-D data-parallel sub-mesh .*dp=1, tp"):
+        match = r"^device_mesh must be the 1-D data-parallel sub-mesh .*dp=1, tp"
+        with pytest.raises(ValueError, match=match):
             ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), device_mesh=mesh)
 
     @pytest.mark.parametrize(
@@ -250,13 +252,13 @@ class TestWrapperArguments:
 def test_warns_once_when_enabled_but_backward_not_compiled(caplog):
     from torch._dynamo.utils import counters
 
-    from ddp_fusion import _torch, ddp as ddp_module
+    from ddp_fusion import _torch, grad_sync as ddp_module
 
     ddp = ddp_fusion.DistributedDataParallel(torch.nn.Linear(3, 2))
     counters.clear()
     ddp_module._warned_not_compiled.clear()
     with ddp_fusion.config.patch(enabled=True):
-        with _torch.disable_compiled_autograd():
+        with _torch.compiled_autograd.disabled():
             for _ in range(2):
                 ddp(torch.randn(4, 3)).sum().backward()
     assert counters["ddp_fusion"]["unfused: compiled autograd not active"] == 4  # 2 params x 2

@@ -53,7 +53,8 @@ def test_parameters_match_eager_ddp(results, algorithm):
         for name in want:
             assert got[name].dtype == want[name].dtype, name
             tol = {"atol": 1e-5, "rtol": 0} if want[name].dtype == torch.float32 else {}
-            torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(got[name], want[name], **tol,
+                                       msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -7,7 +7,6 @@ rewritten graph computes what the original computed; and the dump files.
 """
 
 import json
-import operator
 
 import expecttest
 import pytest
@@ -71,14 +70,14 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="concat")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
-    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "algorithm": "concat", "numels": [15, 5], "grads": ["w2", "w1"]}]', device(type='cpu'))
+    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
-    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "algorithm": "concat", "numels": [15, 5], "grads": ["w2", "w1"]}]', 'avg', device(type='cpu'));  plan_check_start_default = None
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
     div_tensor = torch.ops.aten.div.Tensor(view_default, plan_guard_default);  view_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
     cat_default = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
@@ -95,13 +94,13 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="coalesced")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
-    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "algorithm": "coalesced", "numels": [15, 5], "grads": ["w2", "w1"]}]', device(type='cpu'))
+    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "coalesced", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
-    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '[{"dtype": "torch.float32", "device": "cpu", "reduce_op": "avg", "bytes": 80, "algorithm": "coalesced", "numels": [15, 5], "grads": ["w2", "w1"]}]', 'avg', device(type='cpu'));  plan_check_start_default = None
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "coalesced", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
     _foreach_div_tensor = torch.ops.aten._foreach_div.Tensor([mm_1, sum_1], plan_guard_default);  mm_1 = sum_1 = plan_guard_default = None
     all_reduce_coalesced_default = torch.ops._c10d_functional.all_reduce_coalesced.default(_foreach_div_tensor, 'sum', '0');  _foreach_div_tensor = None
     getitem = all_reduce_coalesced_default[0]
@@ -264,8 +263,9 @@ class TestWhatIsFused:
 
         gm = trace(fn, *[torch.randn(4) for _ in range(5)])
         result = fuse(gm, algorithm="coalesced")
-        plan = result.plan()["buckets"]
-        keys = sorted((b["group"], b["dtype"], b["reduce_op"], b["num_grads"]) for b in plan)
+        plan = result.plan.buckets
+        keys = sorted((b.group, str(b.dtype).removeprefix("torch."), b.reduce_op, len(b.grads))
+                      for b in plan)
         g0, g1 = dist.group.WORLD.group_name, other.group_name
         assert keys == sorted(
             [(g0, "float32", "avg", 2), (g0, "bfloat16", "avg", 1),
@@ -385,7 +385,8 @@ def test_dumps(tmp_path):
         "algorithm": "coalesced",
         "buckets": [
             {"group": dist.group.WORLD.group_name, "dtype": "float32", "device": "cpu",
-             "reduce_op": "avg", "bytes": 80, "num_grads": 2, "grads": ["w2", "w1"]}
+             "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2,
+             "numels": [15, 5], "grads": ["w2", "w1"]}
         ],
         "unfused": [],
     }

@@ -6,8 +6,8 @@ group of 1, a second group of 2), reduce op, communication dtype and bucket argu
 each reduced with the tagged ``ddp_fusion.all_reduce_gradient``; interleaved with untagged functional
 all-reduces, unrelated compute, early readers of reduced gradients, gradients that are
 graph inputs as they are (ready before anything is computed), non-contiguous gradients,
-one tensor reduced twice, and gradients computed from an earlier gradient's *reduced* value. For every graph, with
-either algorithm and with or without wait scheduling, this pins down:
+one tensor reduced twice, and gradients computed from an earlier gradient's *reduced* value.
+For every graph, with either algorithm and with or without wait scheduling, this pins down:
 
 1. the fused graph lints and recompiles;
 2. every tagged all-reduce is in exactly one bucket and none is left in the graph; the
@@ -50,7 +50,7 @@ from torch.nn.parallel.distributed import _BucketCapacityConfig
 import ddp_fusion
 from ddp_fusion import _torch
 from ddp_fusion.passes import fuse_ddp_allreduces
-from ddp_fusion.passes.bucketing import ddp_bucket_limits
+from ddp_fusion.plan import ddp_bucket_limits
 from ddp_fusion.passes.collectives import BucketKey
 
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
@@ -421,7 +421,7 @@ def check_boundaries(tagged: dict[str, Tagged], result) -> None:
             ours = [[g.name for g in b.grads] for b in result.buckets if b.key == key]
             order = sorted((t for t in tagged.values() if t.key == key), key=lambda t: t.ready_order)
             tensors = [torch.empty(t.shape, dtype=t.dtype) for t in order]
-            ref = _torch.compute_bucket_assignment_by_size(
+            ref = _torch.ddp.compute_bucket_assignment_by_size(
                 tensors, order[0].torch_limits, list(range(len(tensors)))
             )
             expected = [[order[i].name for i in b] for b in ref]
@@ -459,7 +459,7 @@ def check_boundaries(tagged: dict[str, Tagged], result) -> None:
         for segment in filter(None, segments):
             lim = limits[min(len(expected), len(limits) - 1) :]
             tensors = [torch.empty(t.shape, dtype=t.dtype) for t in segment]
-            ref = _torch.compute_bucket_assignment_by_size(
+            ref = _torch.ddp.compute_bucket_assignment_by_size(
                 tensors, lim, list(range(len(tensors)))
             )
             expected += [[segment[i].name for i in b] for b in ref]
@@ -476,7 +476,7 @@ def check_same_values(unfused, fused, inputs) -> None:
         # once in the same dtype; the collectives of the fake group return their input.
         # (fp16 sums may overflow to inf/nan: the same ones in both graphs.)
         torch.testing.assert_close(
-            g, w, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"output {i}: {m}"
+            g, w, rtol=0, atol=0, equal_nan=True, msg=lambda m, i=i: f"output {i}: {m}"
         )
 
 

@@ -141,12 +141,12 @@ def test_compiled_code_inside_the_model_runs_eagerly_in_the_fake_run(compiled):
         "import torch, torch.distributed as dist, ddp_fusion\n"
         "from ddp_fusion import _torch\n"
         "from test_ready_order import CompiledInside\n"
-        "dist.init_process_group('fake', store=_torch.fake_store(), rank=0, world_size=2)\n"
+        "dist.init_process_group('fake', store=_torch.distributed.fake_store(), rank=0, world_size=2)\n"
         "ddp_fusion.config.enabled = True\n"
         "wrapper = ddp_fusion.DistributedDataParallel(CompiledInside())\n"
         f"model = torch.compile(wrapper) if {compiled} else wrapper\n"
         "model(torch.randn(4, 8)).sum().backward()\n"
-        "print(wrapper._state.ready_position, dict(_torch.counters()['ddp_fusion']))\n"
+        "print(wrapper._state.ready_position, dict(_torch.dynamo.counters()['ddp_fusion']))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, cwd=__import__("os").path.dirname(__file__))

@@ -8,7 +8,7 @@ import torch._inductor.config as inductor_config
 from torch._dynamo import compiled_autograd
 
 import ddp_fusion
-from ddp_fusion import _install, _torch
+from ddp_fusion import effects
 
 pytestmark = pytest.mark.usefixtures("fake_pg")
 
@@ -48,7 +48,7 @@ def test_off_inside_a_context_opened_after_is_refused_clearly_and_changes_nothin
 def test_dtensor_clone_patch_only_while_enabled():
     original = compiled_autograd.maybe_clone
     with ddp_fusion.config.patch(enabled=True):
-        _install.need_dtensor_clone()  # what a wrapper with DTensor parameters calls
+        effects.want(effects.DTENSOR_CLONE)  # what a model with DTensor parameters asks
         assert compiled_autograd.maybe_clone is not original
     assert compiled_autograd.maybe_clone is original
 
@@ -94,10 +94,3 @@ def test_backward_compile_kwargs_reach_backward_graphs_and_peak_memory_reorder_i
 def test_bad_backward_compile_kwargs(value, match):
     with pytest.raises(ValueError, match=match):
         ddp_fusion.config.backward_compile_kwargs = value
-
-
-def test_a_torch_without_a_needed_internal_fails_at_import_naming_it(monkeypatch):
-    """What a torch upgrade that moved an internal looks like: a clear ImportError."""
-    monkeypatch.delattr(torch.nn.parallel.DistributedDataParallel, "_pre_forward")
-    with pytest.raises(ImportError, match=r"DistributedDataParallel\._pre_forward.*tested with torch 2\.13"):
-        _torch.check_torch()

@@ -28,7 +28,7 @@ def enabled(fake_pg):
 def test_torch_ddp_built_with_the_flag_is_fused_in_one_compiled_backward(fake_pg, monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the pass must run
     torch._dynamo.reset()  # before enabling: a reset also resets compiled autograd
-    counters = _torch.counters()
+    counters = _torch.dynamo.counters()
     counters.clear()
     with ddp_fusion.config.patch(enabled=True):
         ddp = DDP(_net(), bucket_cap_mb=1e-4)  # 100 bytes: see the bucket count below
@@ -58,7 +58,7 @@ def test_the_compiled_backward_keeps_upstreams_ddp_fusion_pass_off(enabled):
 def test_adopted_torch_ddp_takes_its_bucket_arguments_and_group(enabled):
     """bucket_cap_mb / bucket_cap_mb_list and the process group reach the hooks' bucket
     limits (the same limits the wrapper is tested with against eager DDP)."""
-    from ddp_fusion.passes.bucketing import ddp_bucket_limits
+    from ddp_fusion.plan import ddp_bucket_limits
 
     sub = dist.new_group([0, 1])
     ddp = DDP(_net(), process_group=sub, bucket_cap_mb_list=[0.001, 0.002])
@@ -154,4 +154,4 @@ def test_upstreams_python_reducer_and_the_flag_refuse_each_other(enabled):
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
         with pytest.raises(ValueError, match="optimize_ddp is 'python_reducer'.*ddp_fusion replaces"):
             DDP(_net())
-    assert not _torch.inductor_config()._fuse_ddp_communication  # refused before torch ran
+    assert not _torch.inductor.config()._fuse_ddp_communication  # refused before torch ran

@@ -1,6 +1,6 @@
 """Repros of upstream limits ddp_fusion works around or reports (in the normal CI run).
 
-Each is ``xfail(strict=True)`` for exactly the upstream error (``raises=UpstreamLimit``):
+Each is ``xfail(strict=True)`` for exactly the upstream error (``raises=UpstreamLimitError``):
 when upstream fixes one, the test starts passing, fails the strict xfail, and tells us
 to lift the matching restriction in ddp_fusion; any other error fails it too."""
 
@@ -10,20 +10,20 @@ import pytest
 import torch
 
 
-class UpstreamLimit(Exception):
+class UpstreamLimitError(Exception):
     """The known upstream error, and only it, is re-raised as this."""
 
 
 @pytest.mark.usefixtures("fake_pg")
 @pytest.mark.xfail(
     strict=True,
-    raises=UpstreamLimit,
+    raises=UpstreamLimitError,
     reason="compiled autograd: post-acc-grad hook on DTensor uses as_strided",
 )
 def test_compiled_autograd_post_accumulate_grad_hook_on_dtensor():
     """Tracing a post-accumulate-grad hook, compiled autograd copies the parameter with
     ``maybe_clone`` (``clone_preserve_strides``: ``as_strided``), which DTensor lacks.
-    ddp_fusion works around it (``_torch.allow_dtensor_post_accumulate_grad_hooks``
+    ddp_fusion works around it (``_torch.compiled_autograd.allow_dtensor_post_accumulate_grad_hooks``
     swaps in DTensor's own ``clone()``); when this passes, the work-around can go.
 
     The copy is called directly, on torch's own ``maybe_clone``: through a whole
@@ -46,5 +46,5 @@ def test_compiled_autograd_post_accumulate_grad_hook_on_dtensor():
         maybe_clone(param)
     except RuntimeError as e:
         if "as_strided not supported with DTensor" in str(e):
-            raise UpstreamLimit(str(e)) from e
+            raise UpstreamLimitError(str(e)) from e
         raise

@@ -26,26 +26,24 @@ to place waits.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-from typing import Any
 
 import torch.fx
 from torch.fx.node import map_arg
 
-from .. import _torch, comm_hooks, dump, verify
+from .. import _torch, comm_hooks, dump, plan_check
 from ..config import config
+from ..log import log
+from ..plan import MiB, BucketPlan
 from ._graph import NodeMaker
-from .bucketing import MiB, Bucket, plan_buckets
+from .bucketing import Bucket, plan_buckets, to_plan
 from .coalesced import fuse_coalesced
 from .collectives import Unfused, find_gradient_all_reduces
 from .concat import fuse_concat
-from .guard import hook_numbering, insert_plan_guards, place_guards, plan_fingerprint
+from .guard import group_plans, insert_plan_guards, place_guards
 from .schedule import sink_waits
 
 __all__ = ["FusionResult", "fuse_ddp_allreduces"]
-
-log = logging.getLogger("ddp_fusion")
 
 _FUSERS = {"concat": fuse_concat, "coalesced": fuse_coalesced}
 _CONFIG = object()  # "take it from ddp_fusion.config"
@@ -54,32 +52,15 @@ _warned: set[str] = set()
 
 @dataclasses.dataclass
 class FusionResult:
-    algorithm: str
-    buckets: list[Bucket]
-    unfused: list[Unfused]
-    dump_stem: str | None = None
+    """What :func:`fuse_ddp_allreduces` did to a graph."""
 
-    def plan(self) -> dict[str, Any]:
-        """The bucket plan in the JSON form written to ``<stem>.buckets.json``."""
-        return {
-            "algorithm": self.algorithm,
-            "buckets": [
-                {
-                    "group": b.key.group_name,
-                    "dtype": str(b.key.dtype).removeprefix("torch."),
-                    "device": str(b.key.device),
-                    "reduce_op": b.key.reduce_op,
-                    **({"comm_dtype": str(b.key.comm_dtype).removeprefix("torch.")}
-                       if b.key.comm_dtype else {}),
-                    "bytes": b.nbytes,
-                    "num_grads": len(b.grads),
-                    "grads": [g.label for g in b.grads],
-                    **({"cut": b.cut_reason} if b.cut_reason else {}),
-                }
-                for b in self.buckets
-            ],
-            "unfused": [{"node": u.node.name, "reason": u.reason} for u in self.unfused],
-        }
+    plan: BucketPlan
+    """The bucket plan, as written to ``<stem>.buckets.json`` and logged."""
+    buckets: list[Bucket]
+    """The same buckets, with the graph nodes of their gradients."""
+    unfused: list[Unfused]
+    """Tagged all-reduces left as they were, with the reason."""
+    dump_stem: str | None = None
 
 
 def fuse_ddp_allreduces(
@@ -102,20 +83,21 @@ def fuse_ddp_allreduces(
     dump_dir = config.dump_dir if dump_dir is None else dump_dir
 
     grads, unfused = find_gradient_all_reduces(graph)
-    result = FusionResult(algorithm, [], unfused)
     _report_unfused(unfused)
     if not grads:
-        return result
+        return FusionResult(to_plan([], unfused, algorithm), [], unfused)
     before = dump.graph_code(graph) if dump_dir else ""
 
-    result.buckets = plan_buckets(graph, grads)
+    buckets = plan_buckets(graph, grads)
+    result = FusionResult(to_plan(buckets, unfused, algorithm), buckets, unfused)
+    plans = group_plans(result.plan)
     make = NodeMaker(graph)
-    guards = insert_plan_guards(make, result.buckets, algorithm)
-    hooked = _hook_groups(result.buckets, algorithm)
+    guards = insert_plan_guards(make, buckets, plans)
+    hooked = _hook_groups(result.plan, plans)
     order = {node: i for i, node in enumerate(graph.nodes)}
     fused = []
     anchor_at = -1  # graph position of the node the previous bucket was placed after
-    for bucket in result.buckets:
+    for i, (bucket, planned) in enumerate(zip(buckets, result.plan.buckets)):
         # After its last gradient, and after the bucket planned before it: collectives
         # are issued in plan order (the same on every rank with the same plan).
         after = max((g.grad for g in bucket.grads), key=order.__getitem__)
@@ -125,15 +107,15 @@ def fuse_ddp_allreduces(
             after = fused[-1].tails[-1][-1]  # the end of the previous bucket's nodes
         key = bucket.key
         guard = guards[key.group_name, key.reduce_op, key.device]
-        if id(bucket) in hooked:  # the model's comm hook reduces it (comm_hooks.py)
-            fused.append(fuse_concat(make, bucket, after, guard, hooked[id(bucket)]))
+        if planned.hook is not None:  # the model's comm hook reduces it (comm_hooks.py)
+            fused.append(fuse_concat(make, bucket, after, guard, hooked[i]))
         else:
             fused.append(_FUSERS[algorithm](make, bucket, after, guard))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})
     # A reader of an early gradient in a bucket may sit before the bucket's collective
     # (never in a compiled backward, where readers are the graph's outputs, but
     # possible in hand-written graphs); move such readers after it.
-    _torch.stable_topological_sort(graph)
+    _torch.inductor.stable_topological_sort(graph)
     place_guards(graph, list(guards.values()))
     if schedule_waits:
         budget = config.max_in_flight_mb if max_in_flight_mb is _CONFIG else max_in_flight_mb
@@ -142,23 +124,21 @@ def fuse_ddp_allreduces(
 
     _record(result)
     if dump_dir:
-        result.dump_stem = dump.write(dump_dir, before, dump.graph_code(graph), result.plan())
+        result.dump_stem = dump.write(dump_dir, before, dump.graph_code(graph), result.plan)
     return result
 
 
-def _hook_groups(buckets: list[Bucket], algorithm: str) -> dict[int, str]:
-    """Bucket (by ``id``) -> the group its flat buffer goes to, for buckets a comm hook
+def _hook_groups(plan: BucketPlan, plans: dict[str, str]) -> dict[int, str]:
+    """Bucket index -> the group its flat buffer goes to, for buckets a comm hook
     reduces (comm_hooks.py); registers those groups now (the plan check registers them
     when a graph served from Inductor's cache first runs)."""
-    numbering = hook_numbering(buckets)
     out: dict[int, str] = {}
-    for group_name in {b.key.group_name for b in buckets if id(b) in numbering}:
-        plan = plan_fingerprint(buckets, group_name, algorithm)
-        verify.hook_groups(plan, _torch.resolve_process_group(group_name))
-        for b in buckets:
-            if id(b) in numbering and b.key.group_name == group_name:
-                owner, index, _ = numbering[id(b)]
-                out[id(b)] = comm_hooks.group_name(owner, verify.plan_id(plan), index)
+    for group_name in {b.group for b in plan.buckets if b.hook is not None}:
+        text = plans[group_name]
+        plan_check.hook_groups(text, _torch.distributed.resolve_process_group(group_name))
+        for i, b in enumerate(plan.buckets):
+            if b.hook is not None and b.group == group_name:
+                out[i] = comm_hooks.group_name(b.hook[0], plan_check.plan_id(text), b.hook[1])
     return out
 
 
@@ -177,7 +157,7 @@ def _replace_all(graph: torch.fx.Graph, new: dict[torch.fx.Node, torch.fx.Node])
 
 
 def _report_unfused(unfused: list[Unfused]) -> None:
-    counters = _torch.counters()["ddp_fusion"]
+    counters = _torch.dynamo.counters()["ddp_fusion"]
     for u in unfused:
         counters["unfused"] += 1
         counters[f"unfused: {u.reason}"] += 1
@@ -191,9 +171,9 @@ def _report_unfused(unfused: list[Unfused]) -> None:
 
 
 def _record(result: FusionResult) -> None:
-    counters = _torch.counters()["ddp_fusion"]
+    counters = _torch.dynamo.counters()["ddp_fusion"]
     counters["graphs"] += 1
     counters["buckets"] += len(result.buckets)
     counters["fused_all_reduces"] += sum(len(b.grads) for b in result.buckets)
     if log.isEnabledFor(logging.INFO):
-        log.info("ddp_fusion bucket plan: %s", json.dumps(result.plan()))
+        log.info("ddp_fusion bucket plan: %s", result.plan.to_json())

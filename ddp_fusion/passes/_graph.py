@@ -9,7 +9,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch.fx.node import map_arg
-from torch.utils._pytree import tree_map_only
 
 from .. import _torch
 
@@ -24,13 +23,11 @@ class NodeMaker:
 
     def __init__(self, graph: torch.fx.Graph) -> None:
         self.graph = graph
-        self.mode = _torch.detect_fake_mode(
+        self.mode = _torch.tensors.detect_fake_mode(
             [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
-        ) or _torch.detect_fake_mode([n.meta.get("val") for n in graph.nodes])
+        ) or _torch.tensors.detect_fake_mode([n.meta.get("val") for n in graph.nodes])
         if self.mode is None:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+            self.mode = _torch.tensors.fake_mode(allow_non_fake_inputs=True)
             self._convert = True
         else:
             self._convert = False
@@ -42,7 +39,7 @@ class NodeMaker:
         node = self.graph.call_function(target, args, kwargs)
         fake_args, fake_kwargs = map_arg((args, kwargs), lambda n: n.meta["val"])
         if self._convert:
-            fake_args, fake_kwargs = tree_map_only(
+            fake_args, fake_kwargs = _torch.tensors.tree_map_only(
                 torch.Tensor, self._from_tensor, (fake_args, fake_kwargs)
             )
         val = None
@@ -56,7 +53,7 @@ class NodeMaker:
         return node
 
     def _from_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        return t if isinstance(t, torch._subclasses.fake_tensor.FakeTensor) else self.mode.from_tensor(t)
+        return t if _torch.tensors.is_fake(t) else self.mode.from_tensor(t)
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -72,14 +69,14 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
 
 # Fake-tensor propagation is most of the pass's cost (a few nodes per gradient). The
 # nodes the pass makes per gradient or bucket get their values without fake dispatch:
-# views are computed on the meta data (_torch.fake_view_op), fresh results are new fake
+# views are computed on the meta data (_torch.tensors.fake_view_op), fresh results are new fake
 # tensors of the shape, strides and dtype the op's meta function gives. A shortcut
 # returns None where it does not apply; the node then goes through fake dispatch.
 _Shortcut = Callable[..., Any]
 
 
 def _view(mode: Any, op: Any, base: Any, *args: Any) -> Any:
-    return _torch.fake_view_op(mode, op, base, *args)
+    return _torch.tensors.fake_view_op(mode, op, base, *args)
 
 
 def _getitem(mode: Any, op: Any, seq: Any, i: Any) -> Any:
@@ -93,7 +90,7 @@ def _scale(mode: Any, op: Any, x: Any, divisor: Any) -> Any:
             and x.dim() > 0 and divisor.dim() == 0 and divisor.is_floating_point()
             and _strictly_contiguous(x)):
         return None
-    return _torch.fake_empty(mode, x)
+    return _torch.tensors.fake_empty(mode, x)
 
 
 def _strictly_contiguous(x: torch.Tensor) -> bool:
@@ -113,21 +110,21 @@ def _scale_all(mode: Any, op: Any, xs: Any, divisor: Any) -> Any:
     if not (isinstance(divisor, torch.Tensor) and divisor.dim() == 0
             and all(x.dtype == divisor.dtype and _strictly_contiguous(x) for x in xs)):
         return None
-    return [_torch.fake_empty(mode, x) for x in xs]
+    return [_torch.tensors.fake_empty(mode, x) for x in xs]
 
 
 def _cat(mode: Any, op: Any, tensors: Any, dim: int = 0) -> Any:
     if dim != 0 or any(t.dim() != 1 or t.dtype != tensors[0].dtype for t in tensors):
         return None
-    return _torch.fake_empty(mode, tensors[0], numel=sum(t.numel() for t in tensors))
+    return _torch.tensors.fake_empty(mode, tensors[0], numel=sum(t.numel() for t in tensors))
 
 
 def _fresh_contiguous(mode: Any, op: Any, x: Any, *args: Any) -> Any:
-    return _torch.fake_empty(mode, x) if _strictly_contiguous(x) else None
+    return _torch.tensors.fake_empty(mode, x) if _strictly_contiguous(x) else None
 
 
 def _convert(mode: Any, op: Any, x: Any, dtype: Any) -> Any:
-    return _torch.fake_empty(mode, x, dtype) if _strictly_contiguous(x) else None
+    return _torch.tensors.fake_empty(mode, x, dtype) if _strictly_contiguous(x) else None
 
 
 _aten = torch.ops.aten
@@ -139,7 +136,7 @@ _SHORTCUTS: dict[Any, _Shortcut] = {
     _aten.div.Tensor: _scale,
     _aten._foreach_div.Tensor: _scale_all,
     _aten.cat.default: _cat,
-    torch.ops._c10d_functional.all_reduce.default: _fresh_contiguous,
-    torch.ops._c10d_functional.wait_tensor.default: _fresh_contiguous,
+    _torch.distributed.c10d_functional.all_reduce.default: _fresh_contiguous,
+    _torch.distributed.c10d_functional.wait_tensor.default: _fresh_contiguous,
     torch.ops.prims.convert_element_type.default: _convert,
 }

@@ -1,25 +1,17 @@
 """Bucket planning: which tagged gradient all-reduces share one collective.
 
-The rule is eager DDP's, after its first-iteration rebuild (``Reducer::rebuild_buckets``
-calling ``compute_bucket_assignment_by_size`` on the gradients in ready order):
-
-* gradients are split by key (process group, dtype, device, reduce op, bucket limits);
-* within a key, in backward-ready order, gradients join the open bucket; a bucket
-  closes as soon as its bytes reach the current limit, and then the next limit in the
-  list applies (the last one repeats);
-* whatever is left open at the end forms a last, smaller bucket.
+The rule is eager DDP's (``ddp_fusion.plan``: per key, in ready order, a bucket closes
+once its bytes reach the current limit); gradients are split by key (process group,
+dtype, device, reduce op, bucket limits, communication dtype, model).
 
 Ready order is eager autograd's when the hooks say it (``ready_order`` on each tagged
 all-reduce: the wrapper learns it once from a fake-tensor run of the model in eager
 autograd, see ``ddp_fusion/ready_order.py``), so buckets hold exactly the gradients
 eager DDP's rebuilt buckets hold; each bucket's collective then goes right after the
-last of its gradients is computed in the graph, and not before the previous bucket's. Otherwise it is the order the graph
-computes the gradients in, which differs from eager autograd's inside a layer (a
-compiled backward computes a Linear's weight gradient before its bias gradient).
-
-The limits are DDP's: default ``[1 MiB, 25 MiB]`` (a small first bucket so the last
-gradients of backward do not wait behind a big one), ``bucket_cap_mb=c`` gives ``[c]``,
-``bucket_cap_mb_list=[a, b, ...]`` gives ``[a, b, ...]`` (all in MiB).
+last of its gradients is computed in the graph, and not before the previous bucket's.
+Otherwise it is the order the graph computes the gradients in, which differs from eager
+autograd's inside a layer (a compiled backward computes a Linear's weight gradient
+before its bias gradient).
 
 One case eager DDP never meets: in a hand-built graph a gradient may be computed from an
 earlier gradient's *reduced* value. Then the earlier gradient's bucket (whatever its key)
@@ -30,48 +22,13 @@ is recorded in the plan); otherwise two buckets could each wait for the other.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-from collections.abc import Sequence
 
 import torch.fx
 
-from .. import _torch
+from ..ops import HOOK
+from ..plan import BucketPlan, BucketRule, PlannedBucket, split_by_rule
 from ..ready_order import graph_order
-from .collectives import BucketKey, GradAllReduce
-
-MiB = 1024 * 1024
-DEFAULT_BUCKET_CAP_MB = 25
-
-
-def ddp_bucket_limits(
-    bucket_cap_mb: float | None = None, bucket_cap_mb_list: Sequence[float] | None = None
-) -> list[int]:
-    """Bucket byte limits, in order, that eager torch DDP uses for these arguments."""
-    if bucket_cap_mb_list is not None:
-        if isinstance(bucket_cap_mb_list, (str, bytes)) or not isinstance(
-            bucket_cap_mb_list, Sequence
-        ):
-            raise ValueError(
-                f"bucket_cap_mb_list must be a list of sizes in MiB, got {bucket_cap_mb_list!r}"
-            )
-        if len(bucket_cap_mb_list) == 0:
-            raise ValueError("bucket_cap_mb_list must not be empty")
-        return [_cap_bytes(f"bucket_cap_mb_list[{i}]", c) for i, c in enumerate(bucket_cap_mb_list)]
-    if bucket_cap_mb is not None:
-        return [_cap_bytes("bucket_cap_mb", bucket_cap_mb)]
-    return [_torch.DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MiB]
-
-
-def _cap_bytes(setting: str, cap_mb: object) -> int:
-    if (
-        isinstance(cap_mb, bool)
-        or not isinstance(cap_mb, numbers.Real)
-        or not math.isfinite(cap_mb)
-        or cap_mb < 0
-    ):
-        raise ValueError(f"{setting} must be a non-negative number of MiB, got {cap_mb!r}")
-    return int(cap_mb * MiB)
+from .collectives import BucketKey, GradAllReduce, Unfused
 
 
 @dataclasses.dataclass
@@ -91,7 +48,7 @@ def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Buck
     its gradients and after the bucket before it (passes/__init__.py)."""
     if grads and all(g.ready_order >= 0 for g in grads) and not _reads_reduced(graph, grads):
         return _plan_in_ready_order(graph, grads)
-    if any(g.key.owner >= 0 and g.ready_order < 0 for g in grads):
+    if any(g.key.model_id >= 0 and g.ready_order < 0 for g in grads):
         graph_order(
             "a wrapper's gradients carry no ready order: its forward did not run with "
             "config.enabled and grad mode on before this backward was compiled (say, a "
@@ -102,18 +59,7 @@ def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Buck
 
 def _split(key: BucketKey, grads: list[GradAllReduce]) -> list[Bucket]:
     """DDP's rule over ``grads`` (one key, in ready order)."""
-    buckets: list[Bucket] = []
-    open_: list[GradAllReduce] = []
-    nbytes, limit = 0, 0
-    for g in grads:
-        open_.append(g)
-        nbytes += g.nbytes
-        if nbytes >= key.limits[limit]:
-            buckets.append(Bucket(key, open_))
-            open_, nbytes, limit = [], 0, min(limit + 1, len(key.limits) - 1)
-    if open_:
-        buckets.append(Bucket(key, open_))
-    return buckets
+    return [Bucket(key, same) for same in split_by_rule(grads, lambda g: g.nbytes, key.limits)]
 
 
 def _plan_in_ready_order(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Bucket]:
@@ -164,7 +110,7 @@ def _plan_in_graph_order(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> l
     for g in grads:
         ready_at.setdefault(g.grad, []).append(g)
     bucket_of: dict[torch.fx.Node, Bucket] = {}
-    limit_index: dict[BucketKey, int] = {}
+    rules: dict[BucketKey, BucketRule] = {}
     open_buckets: dict[BucketKey, Bucket] = {}
     closed: list[Bucket] = []
     # node -> ids of open buckets whose reduced gradients it (transitively) reads.
@@ -173,8 +119,6 @@ def _plan_in_graph_order(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> l
     def close(bucket: Bucket) -> None:
         del open_buckets[bucket.key]
         closed.append(bucket)
-        last = len(bucket.key.limits) - 1
-        limit_index[bucket.key] = min(limit_index.get(bucket.key, 0) + 1, last)
 
     for node in graph.nodes:
         deps: set[int] = set()
@@ -188,13 +132,15 @@ def _plan_in_graph_order(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> l
                     f"gradient {grad.label} is computed from the reduced value of a "
                     "gradient in this bucket"
                 )
+                rules[bucket.key].close()
                 close(bucket)
             bucket = open_buckets.get(grad.key)
             if bucket is None:
                 bucket = open_buckets[grad.key] = Bucket(grad.key, [])
             bucket.grads.append(grad)
             bucket_of[grad.node] = bucket
-            if bucket.nbytes >= grad.key.limits[limit_index.get(grad.key, 0)]:
+            rule = rules.get(grad.key) or rules.setdefault(grad.key, BucketRule(grad.key.limits))
+            if rule.add(grad.nbytes):
                 close(bucket)
         if node in bucket_of:
             deps.add(id(bucket_of[node]))
@@ -204,3 +150,34 @@ def _plan_in_graph_order(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> l
                 depends_on[node] = deps
     closed.extend(open_buckets.values())
     return closed
+
+
+def to_plan(buckets: list[Bucket], unfused: list[Unfused], algorithm: str) -> BucketPlan:
+    """The typed plan of ``buckets`` (same order). A bucket a comm hook reduces is
+    numbered among its model's hooked buckets (as the hook sees it:
+    ``bucket.index()``, ``bucket.is_last()``) and always fused by concat."""
+    per_model: dict[int, list[int]] = {}
+    for i, b in enumerate(buckets):
+        if b.key.reduce_op == HOOK:
+            per_model.setdefault(b.key.model_id, []).append(i)
+    hook = {i: (model_id, n, len(same)) for model_id, same in per_model.items()
+            for n, i in enumerate(same)}
+    return BucketPlan(
+        algorithm,
+        tuple(
+            PlannedBucket(
+                group=b.key.group_name,
+                dtype=b.key.dtype,
+                device=b.key.device.type,
+                reduce_op=b.key.reduce_op,
+                algorithm="concat" if i in hook else algorithm,
+                grads=tuple(g.label for g in b.grads),
+                numels=tuple(g.numel for g in b.grads),
+                comm_dtype=b.key.comm_dtype,
+                hook=hook.get(i),
+                cut=b.cut_reason,
+            )
+            for i, b in enumerate(buckets)
+        ),
+        tuple((u.node.name, u.reason) for u in unfused),
+    )

@@ -20,13 +20,14 @@ import operator
 import torch
 import torch.fx
 
+from .. import _torch
 from ._graph import NodeMaker, memory_order
 from .bucketing import Bucket
 from .schedule import FusedBucket
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-c10d = torch.ops._c10d_functional
+c10d = _torch.distributed.c10d_functional
 
 
 def fuse_coalesced(

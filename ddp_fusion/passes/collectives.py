@@ -27,7 +27,7 @@ class BucketKey:
     reduce_op: str
     limits: tuple[int, ...]
     comm_dtype: torch.dtype | None = None
-    owner: int = -1  # the wrapper that made the call (-1: all_reduce_gradient)
+    model_id: int = -1  # the model whose hook made the call (-1: all_reduce_gradient)
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ def find_gradient_all_reduces(
     unfused: list[Unfused] = []
     registered: dict[str, bool] = {}
     for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=True):
-        grad, group_name, reduce_op, limits, name, comm_dtype, ready_order, owner = _args(node)
+        grad, group_name, reduce_op, limits, name, comm_dtype, ready_order, model_id = _args(node)
         val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
         reason = None
         if not isinstance(val, torch.Tensor):
@@ -72,7 +72,7 @@ def find_gradient_all_reduces(
             reason = "the gradient has a symbolic shape; bucket sizes must be static"
         else:
             if group_name not in registered:
-                registered[group_name] = _torch.resolve_process_group(group_name) is not None
+                registered[group_name] = _torch.distributed.resolve_process_group(group_name) is not None
             if not registered[group_name]:
                 reason = f"process group {group_name!r} is not registered in this process"
         if reason is not None:
@@ -85,7 +85,7 @@ def find_gradient_all_reduces(
                 key=BucketKey(
                     group_name, val.dtype, val.device, reduce_op, tuple(limits),
                     None if comm_dtype == val.dtype else comm_dtype,
-                    owner,
+                    model_id,
                 ),
                 shape=tuple(val.shape),
                 numel=val.numel(),

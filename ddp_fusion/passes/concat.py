@@ -24,7 +24,7 @@ r_i`` keeps the gradient layout contract; a gradient that is not dense is reshap
 copy) and comes back contiguous. With a ``comm_dtype`` each gradient is cast before its
 division, and the reduced buffer cast back after the wait.
 
-``divisor`` is the 0-d tensor from the group's ``plan_guard`` (see verify.py): the world
+``divisor`` is the 0-d tensor from the group's ``plan_guard`` (plan_check.py, scaling.py): the world
 size for ``avg``, 1 for ``sum`` and for a comm hook's bucket. The division happens
 before the sum, as in eager DDP, so low-precision gradients do not overflow.
 """
@@ -36,6 +36,7 @@ import operator
 import torch
 import torch.fx
 
+from .. import _torch
 from ._graph import NodeMaker, memory_order
 from .bucketing import Bucket
 from .collectives import GradAllReduce
@@ -43,7 +44,7 @@ from .schedule import FusedBucket
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-c10d = torch.ops._c10d_functional
+c10d = _torch.distributed.c10d_functional
 
 
 def fuse_concat(

@@ -1,0 +1,69 @@
+"""The one place where ddp_fusion touches private torch APIs, one module per subsystem.
+
+    inductor.py           the post-grad pass slot, pass hashing, the backward's backend
+    compiled_autograd.py  compiled autograd on and off, the DTensor clone work-around
+    dynamo.py             counters, trace-time callbacks, compile stance, DDP optimizer mode
+    ddp.py                stock torch DDP internals (adoption, its C++ reducer)
+    distributed.py        c10d: the group registry, stores, functional collectives, Join
+    tensors.py            fake tensors, DTensor, the autograd engine, pytree
+
+Everything these modules reach is underscore-prefixed upstream and has moved between
+releases. A torch upgrade that breaks ddp_fusion should break here, and at import: each
+module lists what it reaches in ``REQUIRED`` (dotted names), and :func:`check_torch`
+resolves every one when ``ddp_fusion`` is imported. ``tests/test_torch_shim.py`` checks
+that the lists cover every private name the modules use, and that no other module of
+the package touches private torch. Tested: torch 2.13 (``TESTED_TORCH``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from . import compiled_autograd, ddp, distributed, dynamo, inductor, tensors
+
+__all__ = ["check_torch", "compiled_autograd", "ddp", "distributed", "dynamo", "inductor", "tensors"]
+
+#: torch versions a full test run has passed with.
+TESTED_TORCH = ("2.13",)
+
+SUBSYSTEMS = (compiled_autograd, ddp, distributed, dynamo, inductor, tensors)
+
+
+def required() -> tuple[str, ...]:
+    """Every private torch name the shim reaches, as dotted paths."""
+    return tuple(name for module in SUBSYSTEMS for name in module.REQUIRED)
+
+
+def resolve(dotted: str) -> Any:
+    """The object at ``dotted`` (a module path, then attributes); raises ``ImportError``
+    or ``AttributeError`` if this torch lacks it."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def check_torch() -> None:
+    """Raise ``ImportError`` naming every private torch API ddp_fusion needs that this
+    torch lacks."""
+    missing = []
+    for name in required():
+        try:
+            resolve(name)
+        except (ImportError, AttributeError):
+            missing.append(name)
+    if missing:
+        raise ImportError(
+            f"ddp_fusion needs torch internals that torch {torch.__version__} lacks: "
+            f"{', '.join(missing)}. ddp_fusion is tested with torch "
+            f"{', '.join(TESTED_TORCH)}; see ddp_fusion/_torch/"
+        )

@@ -1,0 +1,231 @@
+"""Stock ``torch.nn.parallel.DistributedDataParallel``: patching its constructor and
+forward, taking its C++ reducer out of the gradients' path, its bucket defaults, and
+torch's own comm hooks."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REQUIRED = (
+    "torch.distributed._DEFAULT_FIRST_BUCKET_BYTES",
+    "torch.distributed._compute_bucket_assignment_by_size",
+    "torch.distributed.Reducer",
+    "torch.distributed.Logger",
+    "torch.nn.parallel.DistributedDataParallel._pre_forward",
+    "torch.nn.parallel.DistributedDataParallel._post_forward",
+    "torch.nn.parallel.DistributedDataParallel._remove_autograd_hooks",
+    "torch.nn.parallel.DistributedDataParallel._register_builtin_comm_hook",
+    "torch.nn.parallel.distributed._to_kwargs",
+    "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook",
+    "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook",
+    "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook",
+)
+
+#: Attributes of torch DDP instances this module reads or sets: set by torch DDP's
+#: constructor (torch 2.13), which runs before any of these functions.
+UNCHECKED = {
+    "_use_python_reducer": "read with getattr and a default; set to take torch's "
+                           "python-reducer forward path",
+}
+
+#: DDP's default size of the first (latency-sensitive) bucket, in bytes.
+DEFAULT_FIRST_BUCKET_BYTES: int = dist._DEFAULT_FIRST_BUCKET_BYTES
+
+DDP = torch.nn.parallel.DistributedDataParallel
+
+
+def compute_bucket_assignment_by_size(
+    tensors: list[torch.Tensor], limits: list[int], tensor_indices: list[int]
+) -> list[list[int]]:
+    """Eager DDP's own C++ bucketing, used by tests as the reference for our planner."""
+    indices, _ = dist._compute_bucket_assignment_by_size(
+        tensors, limits, [False] * len(tensors), tensor_indices
+    )
+    return [list(b) for b in indices]
+
+
+def patch_forward(check: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``check(ddp)`` at the start of every forward of a torch DDP that ddp_fusion
+    did not adopt (see :func:`adopted_class`). Returns the function that undoes it."""
+    original = DDP._pre_forward
+
+    def _pre_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        check(self)
+        return original(self, *inputs, **kwargs)
+
+    DDP._pre_forward = _pre_forward
+
+    def undo() -> None:
+        if DDP._pre_forward is _pre_forward:
+            DDP._pre_forward = original
+
+    return undo
+
+
+def uses_cpp_reducer(ddp: Any) -> bool:
+    """Whether a torch DDP reduces through its C++ reducer (which compiled autograd
+    cannot trace) rather than upstream's python reducer (``optimize_ddp="python_reducer"``)."""
+    return not getattr(ddp, "_use_python_reducer", False)
+
+
+def patch_init(
+    before: Callable[[dict[str, Any]], None], after: Callable[[Any, dict[str, Any]], None]
+) -> Callable[[], None]:
+    """Around torch DDP's ``__init__`` (subclasses' ``super().__init__()`` included):
+    ``before(arguments)`` may refuse the arguments before torch's constructor runs;
+    ``after(ddp, arguments)`` runs right after it. ``arguments`` maps every constructor
+    argument's name to its value (defaults filled in). Returns the function that undoes
+    it."""
+    original = DDP.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - replaces DDP's
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(list(bound.arguments.items())[1:])
+        before(arguments)
+        original(self, *args, **kwargs)
+        after(self, arguments)
+
+    DDP.__init__ = __init__
+
+    def undo() -> None:
+        if DDP.__init__ is __init__:
+            DDP.__init__ = original
+
+    return undo
+
+
+def detach_cpp_reducer(ddp: Any) -> None:
+    """Take a constructed torch DDP's C++ reducer out of its gradients' path: remove its
+    autograd hooks (compiled autograd cannot run them) and take the forward path torch
+    takes for its own python reducer (no reducer calls, no DDPOptimizer). Then replace
+    it (and the logger, which holds it) by a reducer of one one-element placeholder:
+    the C++ reducer holds a bucket buffer for every gradient (on a GPU, as much device
+    memory as the gradients), which nothing would use any more. The logger gets the
+    construction data torch DDP gave it (module name, device ids, broadcast_buffers,
+    static_graph), so ``_get_ddp_logging_data()`` still answers; its parameter and
+    bucket fields now describe the placeholder."""
+    ddp._remove_autograd_hooks()
+    ddp._use_python_reducer = True
+    device = next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
+    placeholder = torch.nn.Parameter(torch.zeros(1, device=device))
+    reducer = dist.Reducer(
+        [placeholder], [[0]], [1], ddp.process_group, [False], 1, False, False,
+        {0: "ddp_fusion.placeholder"}, 1,
+    )
+    logger = dist.Logger(reducer)
+    reducer.set_logger(logger)  # weakly, as torch DDP does
+    logger.set_construction_data_and_log(
+        type(ddp.module).__name__,
+        list(ddp.device_ids or []),
+        -1 if ddp.output_device is None else ddp.output_device,
+        getattr(ddp, "forward_sync_buffers", ddp.broadcast_buffers),
+        any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules()),
+        bool(getattr(ddp, "static_graph", False)),
+    )
+    ddp.reducer, ddp.logger = reducer, logger  # (the reducer keeps the placeholder)
+
+
+def ignored_names(ddp: Any) -> set[str]:
+    """Parameter and buffer names DDP was told to ignore
+    (``_set_params_and_buffers_to_ignore_for_model``)."""
+    return set(ddp.parameters_to_ignore)
+
+
+def move_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What torch DDP's forward does with ``device_ids``: move inputs to that device."""
+    if not ddp.device_ids:
+        return inputs, kwargs
+    from torch.nn.parallel.distributed import _to_kwargs
+
+    moved, moved_kwargs = _to_kwargs(
+        inputs,
+        kwargs,
+        torch.device(ddp.device_type, ddp.device_ids[0]),
+        ddp.use_side_stream_for_tensor_copies,
+    )
+    return moved[0], moved_kwargs[0]
+
+
+def has_buffer_comm_hook(ddp: Any) -> bool:
+    return hasattr(ddp, "buffer_hook")
+
+
+def builtin_comm_hooks() -> dict[str, Any]:
+    """torch's own DDP comm hooks that ddp_fusion maps onto fused buckets, by role."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {
+        "allreduce": default_hooks.allreduce_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+    }
+
+
+class AdoptedBehaviour:
+    """What an adopted torch DDP does instead of torch's reducer steps (stock.py)."""
+
+    def pre_forward(self, ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def register_comm_hook(self, ddp: Any, state: Any, hook: Any) -> None:
+        raise NotImplementedError
+
+    def register_builtin_comm_hook(self, ddp: Any, kind: Any) -> None:
+        raise NotImplementedError
+
+    def join_hook(self, ddp: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+_adopted_classes: dict[tuple[type, int], type] = {}
+
+
+def adopted_class(base: type, behaviour: AdoptedBehaviour) -> type:
+    """A subclass of ``base`` (torch DDP or a subclass of it, such as torchft's) whose
+    reducer steps are ``behaviour``'s; a DDP instance is adopted by setting its
+    ``__class__`` to it (as FSDP2's ``fully_shard`` does), so ``isinstance`` checks and
+    the rest of torch DDP's behaviour stay. Same name as ``base``."""
+    key = (base, id(behaviour))
+    if key in _adopted_classes:
+        return _adopted_classes[key]
+
+    def _pre_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        return behaviour.pre_forward(self, inputs, kwargs)
+
+    def _post_forward(self: Any, output: Any) -> Any:
+        return output
+
+    def register_comm_hook(self: Any, state: object, hook: Callable) -> None:
+        behaviour.register_comm_hook(self, state, hook)
+
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        behaviour.register_builtin_comm_hook(self, comm_hook_type)
+
+    def join_hook(self: Any, **kwargs: Any) -> Any:
+        return behaviour.join_hook(self, **kwargs)
+
+    cls = type(
+        base.__name__,
+        (base,),
+        {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "_pre_forward": _pre_forward,
+            "_post_forward": _post_forward,
+            "register_comm_hook": register_comm_hook,
+            "_register_builtin_comm_hook": _register_builtin_comm_hook,
+            "join_hook": join_hook,
+        },
+    )
+    _adopted_classes[key] = cls
+    return cls

@@ -1,0 +1,117 @@
+"""c10d: the process-group registry, stores, futures, functional collectives, ``Join``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REQUIRED = (
+    "torch._C._distributed_c10d._resolve_process_group",
+    "torch._C._distributed_c10d._register_process_group",
+    "torch._C.Future",
+    "torch.distributed.ProcessGroup._set_group_name",
+    "torch.distributed.ProcessGroup._get_backend",
+    "torch.distributed.distributed_c10d._get_default_store",
+    "torch.distributed._functional_collectives.broadcast",
+    "torch.distributed._functional_collectives.wait_tensor",
+    "torch.ops._c10d_functional.all_reduce",
+    "torch.ops._c10d_functional.all_reduce_coalesced",
+    "torch.ops._c10d_functional.wait_tensor",
+    "torch.testing._internal.distributed.fake_pg.FakeStore",
+)
+
+#: Attributes of objects (not importable names) this module reads, and why that is safe.
+UNCHECKED = {
+    "_timeout": "a backend's options' timeout, read inside try/except with torch's default "
+                "as the fallback",
+    "_join_config": "set on every Joinable by Joinable.__init__ (public API); read only for "
+                    "models that are Joinables",
+}
+
+#: The functional collectives' ops (``all_reduce``, ``all_reduce_coalesced``,
+#: ``wait_tensor``): what fused graphs hold, and Inductor lowers.
+c10d_functional = torch.ops._c10d_functional
+
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup | None:
+    """The process group registered under ``group_name`` in this process, or None."""
+    try:
+        return torch._C._distributed_c10d._resolve_process_group(group_name)
+    except (RuntimeError, ValueError):
+        return None
+
+
+def register_process_group(name: str, group: dist.ProcessGroup) -> None:
+    """Name ``group`` ``name`` and make it resolvable by that name (functional
+    collectives name groups)."""
+    group._set_group_name(name)
+    torch._C._distributed_c10d._register_process_group(name, group)
+
+
+def ensure_group_name(group: dist.ProcessGroup) -> str:
+    """``group``'s name, as functional collectives (and ddp_fusion's graphs) name groups.
+    A group made outside ``torch.distributed.new_group`` may have none (torchft's
+    ``ProcessGroupDummy``, which its DDP is built on): it gets one, and is registered
+    under it."""
+    try:
+        return group.group_name
+    except (RuntimeError, ValueError):  # "ProcessGroup name not set"
+        # numbered in the order they are met: the same on every rank, which build their
+        # models in the same order (the name is part of the bucket plan the ranks check)
+        while True:
+            name = f"ddp_fusion_unnamed_{next(_unnamed)}"
+            if resolve_process_group(name) is None:
+                break
+        register_process_group(name, group)
+        return name
+
+
+_unnamed = itertools.count()
+
+
+def is_future(x: Any) -> bool:
+    """A ``torch.futures.Future``, or the C++ future that its ``then`` returns."""
+    return isinstance(x, torch._C.Future)
+
+
+def group_timeout(group: dist.ProcessGroup) -> Any:
+    """The timeout (a ``datetime.timedelta``) of ``group``'s backend, or torch's default
+    for a group that does not say (a Python process group)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or no options
+            continue
+    return dist.default_pg_timeout
+
+
+def default_store() -> Any:
+    """The store of the default process group (every rank can set and get keys)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def fake_store() -> Any:
+    """A store for ``backend="fake"`` process groups (graph tests, examples)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def broadcast_traceable(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """``tensor`` as ``group``'s rank ``src`` (a rank *in the group*, unlike
+    ``dist.broadcast``) has it: a functional collective, so torch.compile traces it into
+    the graph (no graph break)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.broadcast(tensor, src, group))
+
+
+def join_enabled(joinable: Any) -> bool:
+    """Whether ``joinable`` is in an enabled join context (torch's ``Join`` sets its
+    ``_join_config``; it stays set after the context, as for torch DDP)."""
+    return joinable is not None and joinable._join_config.enable

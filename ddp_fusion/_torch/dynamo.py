@@ -1,0 +1,100 @@
+"""Dynamo: its counters, a callback at trace time, the compile stance, DDP's optimizer mode."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+REQUIRED = (
+    "torch._dynamo.utils.counters",
+    "torch._dynamo.utils.get_optimize_ddp_mode",
+    "torch._dynamo.comptime.comptime",
+    "torch._dynamo.eval_frame._stance",
+    "torch._dynamo.eval_frame.DynamoStance",
+    "torch._dynamo.variables.ConstDictVariable",
+    "torch._dynamo.variables.TensorVariable",
+    "torch._dynamo.variables.lists.BaseListVariable",
+)
+
+#: Attributes of objects (not importable names) this module reads, and why that is safe.
+UNCHECKED = {
+    "_ComptimeVar__variable": "the VariableTracker of a comptime local; used only while "
+                              "learning the ready order, whose failure is caught and logged",
+}
+
+
+def counters() -> dict[str, Any]:
+    """``torch._dynamo.utils.counters``: a ``defaultdict(Counter)`` shared with Dynamo."""
+    from torch._dynamo.utils import counters as _counters
+
+    return _counters
+
+
+def optimize_ddp_mode() -> str:
+    """``torch._dynamo.config.optimize_ddp`` as torch DDP reads it at construction."""
+    from torch._dynamo.utils import get_optimize_ddp_mode
+
+    return get_optimize_ddp_mode()
+
+
+@contextlib.contextmanager
+def run_compiled_code_eagerly() -> Iterator[None]:
+    """torch.compile'd functions called inside the block run their Python eagerly (no
+    compile, no cached compiled code): ``torch.compiler.set_stance("force_eager")``,
+    which torch refuses to set while Dynamo traces (the ready order is learned while
+    Dynamo traces the wrapper's forward), so the stance is set directly."""
+    from torch._dynamo import eval_frame
+
+    prior = eval_frame._stance
+    eval_frame._stance = eval_frame.DynamoStance("force_eager")
+    try:
+        yield
+    finally:
+        eval_frame._stance = prior
+
+
+def call_with_example_inputs(fn: Callable[..., None], key: int, args: Any, kwargs: Any) -> None:
+    """``fn(key, inputs)``, where ``inputs()`` returns ``(args, kwargs)``: right away
+    with the real values when running eagerly; at trace time when traced by
+    torch.compile (through ``torch._dynamo.comptime``: nothing enters the graph, no graph
+    break), with Dynamo's fake example values for tensors and the objects themselves for
+    other arguments. ``inputs()`` may raise for an argument it cannot give; ``fn``
+    calls it only if it needs the inputs. ``fn`` must be a module-level function and
+    ``key`` an int."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(_call_at_trace_time, lambda: fn(key, lambda: (args, kwargs)))
+
+
+def _call_at_trace_time(ctx: Any) -> None:
+    def inputs() -> tuple[Any, Any]:
+        return tuple(_example_of(ctx.get_local(n)._ComptimeVar__variable) for n in ("args", "kwargs"))
+
+    ctx.get_local("fn").as_python_constant()(ctx.get_local("key").as_python_constant(), inputs)
+
+
+def _example_of(vt: Any) -> Any:
+    """The example value of a Dynamo VariableTracker: a fake tensor for a tensor, the
+    constant or object for others; containers element by element. Raises
+    ``TypeError`` for anything else."""
+    from torch._dynamo.variables import ConstDictVariable, TensorVariable
+    from torch._dynamo.variables.lists import BaseListVariable
+
+    if isinstance(vt, TensorVariable):
+        return vt.as_proxy().node.meta["example_value"]
+    if vt.is_python_constant():
+        return vt.as_python_constant()
+    if isinstance(vt, BaseListVariable):
+        return vt.python_type()(_example_of(v) for v in vt.items)
+    if isinstance(vt, ConstDictVariable):
+        return {k.vt.as_python_constant(): _example_of(v) for k, v in vt.items.items()}
+    for attr in ("value", "fn"):  # user objects, functions
+        if hasattr(vt, attr):
+            return getattr(vt, attr)
+    raise TypeError(f"cannot give an example value for {type(vt).__name__}")
+
+
+def concrete_int(x: Any) -> int:
+    """An int, or the example value (hint) of a symbolic one, without adding a guard."""
+    return x if isinstance(x, int) else int(x.node.hint)

@@ -1,0 +1,119 @@
+"""Inductor: the post-grad pass slot, hashing a pass for the FX graph cache, the backend
+compiled autograd compiles backward graphs with, and the options ddp_fusion sets per graph."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+
+REQUIRED = (
+    "torch._inductor.config.post_grad_custom_post_pass",
+    "torch._inductor.custom_graph_pass.CustomGraphPass",
+    "torch._inductor.custom_graph_pass.get_hash_for_files",
+    "torch._inductor.pattern_matcher.stable_topological_sort",
+    "torch._TorchCompileInductorWrapper",
+)
+
+#: Attributes of objects (not importable names) this module reads, and why that is safe.
+UNCHECKED = {
+    "_fuse_ddp_communication": "an Inductor option, set only where hasattr says it exists",
+}
+
+
+def config() -> Any:
+    """``torch._inductor.config`` (the shim reads option names off it)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config
+
+
+def post_grad_pass() -> Any:
+    """The pass in Inductor's post-grad custom slot (None: empty)."""
+    return config().post_grad_custom_post_pass
+
+
+def set_post_grad_pass(graph_pass: Any) -> None:
+    """Put ``graph_pass`` (a ``CustomGraphPass``, or None) in Inductor's post-grad
+    custom slot, which Inductor runs on every graph it compiles after its own passes."""
+    config().post_grad_custom_post_pass = graph_pass
+
+
+def without_post_grad_pass() -> Any:
+    """A context in which Inductor's post-grad custom slot is empty."""
+    return config().patch(post_grad_custom_post_pass=None)
+
+
+def custom_graph_pass_base() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def hash_files(paths: tuple[str, ...], extra: str) -> bytes:
+    """A hash of the files' contents and ``extra``: a ``CustomGraphPass.uuid()``."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    return get_hash_for_files(paths, extra)
+
+
+def stable_topological_sort(graph: torch.fx.Graph) -> None:
+    """Re-sort ``graph`` so every node follows its inputs, moving as few nodes as
+    possible (nodes that are already in order keep it)."""
+    from torch._inductor.pattern_matcher import stable_topological_sort as _sort
+
+    _sort(graph)
+
+
+def backend(
+    mode: str | None, options: dict[str, Any] | None, dynamic: bool | None,
+    extra_patches: Callable[[torch.fx.GraphModule], dict[str, Any]],
+) -> Any:
+    """The backend ``torch.compile(backend="inductor", mode=, options=, dynamic=)`` uses,
+    plus ``extra_patches(graph)``: Inductor config patches chosen per Dynamo graph."""
+    from torch import _TorchCompileInductorWrapper
+
+    class Backend(_TorchCompileInductorWrapper):
+        def __call__(self, model_: Any, inputs_: Any, **kwargs: Any) -> Any:
+            # The wrapper compiles with its ``config``; widen it for this graph only
+            # (torch 2.13 also takes config_patches=, older releases do not).
+            saved = self.config
+            self.config = {**saved, **extra_patches(model_)}
+            try:
+                return super().__call__(model_, inputs_, **kwargs)
+            finally:
+                self.config = saved
+
+    return Backend(mode, options, dynamic)
+
+
+def options_without_upstream_ddp_fusion() -> dict[str, Any]:
+    """Keep upstream's ``_fuse_ddp_communication`` pass (which torch DDP turns on
+    process-wide under ``optimize_ddp="python_reducer"``) off a graph ddp_fusion fuses."""
+    if hasattr(config(), "_fuse_ddp_communication"):
+        return {"_fuse_ddp_communication": False}
+    return {}
+
+
+def options_keeping_node_order() -> dict[str, Any]:
+    """Inductor options that keep a post-grad graph's node order through scheduling.
+
+    Inductor's ``reorder_for_peak_memory`` (on by default since torch 2.6) re-sorts the
+    scheduled nodes to lower the estimated peak memory. For a fused bucket that pulls
+    the wait and unpacking of the reduced buffer up to right after the collective and
+    pushes the collective down (both shorten the buffer's life), which undoes
+    ``schedule.sink_waits``: no backward compute is left between issue and wait.
+    """
+    if hasattr(config(), "reorder_for_peak_memory"):
+        return {"reorder_for_peak_memory": False}
+    return {}
+
+
+def options_emulating_precision_casts() -> dict[str, Any]:
+    """Inductor options that keep each cast to a lower precision (a rounding) where the
+    graph has one, instead of fusing it into fp32 math around it."""
+    if hasattr(config(), "emulate_precision_casts"):
+        return {"emulate_precision_casts": True}
+    return {}
