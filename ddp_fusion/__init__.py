@@ -7,18 +7,18 @@
 See README.md, docs/user-guide.md and docs/design.md.
 """
 
-from . import _torch
-
-_torch.check_torch()  # a torch without an internal ddp_fusion needs fails here, naming it
-
-from . import config as _config_module  # noqa: E402
-from . import passes  # noqa: E402
-from ._install import _on_change  # noqa: E402
-from .comm_hooks import CommHookError  # noqa: E402
-from .config import config  # noqa: E402
-from .ops import all_reduce_gradient  # noqa: E402
-from .plan_check import PlanMismatchError  # noqa: E402
-from .wrapper import DistributedDataParallel  # noqa: E402
+# Importing is cheap (torch loads the package at its own import through an entry point,
+# _autoload.py): nothing here touches torch internals. ``_torch.check_torch()`` runs
+# before ddp_fusion first does (turning ``enabled`` on, building a model, running the
+# pass), and names any internal this torch lacks.
+from . import config as _config_module
+from . import passes
+from ._install import _on_change
+from .comm_hooks import CommHookError
+from .config import config
+from .ops import all_reduce_gradient
+from .plan_check import PlanMismatchError
+from .wrapper import DistributedDataParallel
 
 __all__ = [
     "CommHookError",

@@ -6,9 +6,12 @@ it goes off. The effects, in the order they are applied (docs/user-guide.md, "Wh
    ``CustomGraphPass`` (its ``uuid()`` hashes the pass source and the config, so
    Inductor's FX graph cache stays on and a config change is a cache miss). A pass the
    user installed first is kept and runs before ours; off restores it.
-2. Compiled autograd is switched on for every ``backward()`` in the process (the DDP
+2. Once a ddp_fusion model's forward has run compiled (it asks through effects.py),
+   compiled autograd is switched on for every ``backward()`` in the process (the DDP
    hooks reach the pass only through a compiled-autograd graph), with autograd's
-   multithreading off as torch's own context does. Its compiler is
+   multithreading off as torch's own context does. A process whose models never run
+   compiled compiles nothing it did not ask for: their gradients go through the eager
+   bucketed reducer. Its compiler is
    :func:`compile_backward`: Inductor with ``config.backward_compile_kwargs``, and, when
    ``schedule_waits`` is on, Inductor's peak-memory reordering off *for graphs that
    hold ddp_fusion collectives only* (it would move each bucket's wait back up next to
@@ -35,31 +38,34 @@ from typing import Any
 
 import torch
 
-from . import _torch, effects, stock
+from . import _torch, effects, grad_sync, stock
 from .config import config
+from .log import log
 from .ops import ALL_REDUCE_GRADIENT, HOOK
 from .passes import fuse_ddp_allreduces
 
 # The pass's behaviour is a function of these files and the config (read once).
 _SOURCES = tuple(str(p) for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
-_CustomGraphPass = _torch.inductor.custom_graph_pass_base()
 # Settings that change what the pass does (the others change what runs around it).
 _PASS_SETTINGS = ("algorithm", "schedule_waits", "max_in_flight_mb", "dump_dir")
 
 
-class FuseDDPAllReduces(_CustomGraphPass):
-    """The Inductor post-grad pass: ``fuse_ddp_allreduces`` with the current config."""
+class FuseDDPAllReduces:
+    """The Inductor post-grad pass: ``fuse_ddp_allreduces`` with the current config.
+    (An Inductor ``CustomGraphPass``, registered as one when first installed.)"""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        fuse_ddp_allreduces(graph)
+        result = fuse_ddp_allreduces(graph)
+        if not result.buckets and not result.unfused and not grad_sync.live_models():
+            _warn_no_model()
 
     def uuid(self) -> bytes:
         settings = {k: getattr(config, k) for k in _PASS_SETTINGS}
         return _torch.inductor.hash_files(_SOURCES, json.dumps(settings, sort_keys=True))
 
 
-class _Chain(_CustomGraphPass):
-    """Several post-grad passes in one slot, run in order."""
+class _Chain:
+    """Several post-grad passes in one slot, run in order (a ``CustomGraphPass`` too)."""
 
     def __init__(self, passes: tuple[Any, ...]) -> None:
         self.passes = passes
@@ -69,13 +75,25 @@ class _Chain(_CustomGraphPass):
             p(graph)
 
     def uuid(self) -> Any:
-        uuids = [p.uuid() if isinstance(p, _CustomGraphPass) else None for p in self.passes]
+        uuids = [p.uuid() if _torch.inductor.is_graph_pass(p) else None for p in self.passes]
         # A plain function has no uuid; None tells Inductor not to cache, as it would
         # have done for that function alone.
         return None if any(u is None for u in uuids) else tuple(uuids)
 
 
 THE_PASS = FuseDDPAllReduces()
+_warned_no_model: list[bool] = []
+
+
+def _warn_no_model() -> None:
+    if not _warned_no_model:
+        _warned_no_model.append(True)
+        log.warning(
+            "ddp_fusion: config.enabled is on and torch.compile is compiling, but no "
+            "data-parallel model was wrapped or adopted in this process, so there is "
+            "nothing to fuse (a single-process run that builds no DDP, say, or a DDP "
+            "built in another process)"
+        )
 
 
 def _tagged_all_reduces(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -128,13 +146,25 @@ def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
 
 # name -> function that undoes it, in the order applied
 _undo: dict[str, Callable[[], None]] = {}
+_compiled_autograd: list[_torch.compiled_autograd.Handle] = []  # the one installed
+
+
+def _install_compiled_autograd() -> Callable[[], None]:
+    handle = _torch.compiled_autograd.install(compile_backward)
+    _compiled_autograd[:] = [handle]
+    return handle.restore
+
+
 # effects.py's effects: what applies each
 _EFFECTS: dict[str, Callable[[], Callable[[], None]]] = {
+    effects.COMPILED_AUTOGRAD: _install_compiled_autograd,
     effects.DTENSOR_CLONE: _torch.compiled_autograd.allow_dtensor_post_accumulate_grad_hooks,
 }
 
 
 def _install_pass() -> Callable[[], None]:
+    for cls in (FuseDDPAllReduces, _Chain):
+        _torch.inductor.register_graph_pass(cls)
     previous = _torch.inductor.post_grad_pass()
     slot = THE_PASS if previous is None else _Chain((previous, THE_PASS))
     _torch.inductor.set_post_grad_pass(slot)
@@ -154,20 +184,21 @@ def _refuse_cpp_reducer(ddp: Any) -> None:
         and _torch.ddp.uses_cpp_reducer(ddp)
     ):
         raise RuntimeError(
-            "ddp_fusion.config.enabled is on, so every backward runs under compiled "
-            "autograd, but this torch.nn.parallel.DistributedDataParallel was constructed "
-            "while it was off and reduces gradients with torch's C++ reducer, which "
-            "compiled autograd cannot run. Set ddp_fusion.config.enabled = True (or "
-            "DDP_FUSION=1) before wrapping the model in DDP, or turn it off for this model"
+            "ddp_fusion.config.enabled is on, but this torch.nn.parallel."
+            "DistributedDataParallel was constructed while it was off: it reduces "
+            "gradients with torch's C++ reducer, which ddp_fusion does not fuse and which "
+            "compiled autograd (on once a ddp_fusion model runs compiled) cannot run. Set "
+            "ddp_fusion.config.enabled = True (or DDP_FUSION=1) before wrapping the model "
+            "in DDP, or turn it off for this model"
         )
 
 
 def install() -> None:
     if _undo:
         return
+    _torch.check_torch()
     try:
         _undo["pass"] = _install_pass()
-        _undo["compiled_autograd"] = _torch.compiled_autograd.install(compile_backward).restore
         _undo["stock_ddp"] = _torch.ddp.patch_forward(_refuse_cpp_reducer)
         _undo["stock_ddp_init"] = _torch.ddp.patch_init(stock.refuse_arguments, stock.adopt)
         for effect in effects.wanted():
@@ -180,16 +211,25 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    if "compiled_autograd" in _undo:
-        _undo["compiled_autograd"]()  # first: it may refuse, and then nothing changed
-        del _undo["compiled_autograd"]
+    ca = effects.COMPILED_AUTOGRAD
+    if ca in _undo:
+        _undo[ca]()  # first: it may refuse, and then nothing changed
+        del _undo[ca]
     for name in reversed(list(_undo)):
         _undo.pop(name)()
 
 
 def _on_want(effect: str) -> None:
-    """A model asked for ``effect`` (effects.py): apply it now if enabled."""
-    if _undo and effect not in _undo:
+    """A model asked for ``effect`` (effects.py): apply it now if enabled (again, if
+    something undid it: ``torch._dynamo.reset()`` turns compiled autograd off)."""
+    if not _undo:
+        return  # not enabled: applied when it is
+    if effect == effects.COMPILED_AUTOGRAD and effect in _undo:
+        handle = _compiled_autograd[0]
+        if handle.current() is handle.factory:
+            return
+        _undo.pop(effect)()
+    if effect not in _undo:
         _undo[effect] = _EFFECTS[effect]()
 
 

@@ -1,15 +1,23 @@
-"""Process-wide effects that a model asks for while ``config.enabled`` may be on or off.
+"""Process-wide effects that models ask for while ``config.enabled`` may be on or off.
 
-A model that needs something of torch beyond what ``enabled`` always changes (today:
-compiled autograd copying DTensor parameters with ``clone()``, for DP x TP) asks for it
+A model that needs something of torch beyond what ``enabled`` always changes asks for it
 here; ``_install`` applies it now if ``enabled`` is on, or when it is turned on, and
 undoes it when it is turned off. Kept apart so that the models (below ``_install`` in
-the layer map) never import ``_install``.
+the layer map) never import ``_install``. The effects:
+
+* compiled autograd for every backward, asked for when a model's forward first runs
+  compiled (so that a model that is never compiled keeps eager DDP's speed and nothing
+  is compiled that the user did not compile);
+* compiled autograd copying DTensor parameters with ``clone()``, asked for by a model
+  with DTensor parameters (DP x TP).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+COMPILED_AUTOGRAD = "compiled_autograd"
+"""Compiled autograd on for every ``backward()`` (``_torch.compiled_autograd.install``)."""
 
 DTENSOR_CLONE = "dtensor_clone"
 """Compiled autograd copies DTensor parameters with ``clone()``
@@ -20,11 +28,13 @@ _listeners: list[Callable[[str], None]] = []
 
 
 def want(effect: str) -> None:
-    """Ask for ``effect`` for the rest of the process (applied while enabled)."""
+    """Ask for ``effect`` for the rest of the process (applied while enabled). Asking
+    again is cheap, and re-applies an effect that something else undid (say,
+    ``torch._dynamo.reset()`` turning compiled autograd off)."""
     if effect not in _wanted:
         _wanted.append(effect)
-        for listener in _listeners:
-            listener(effect)
+    for listener in _listeners:
+        listener(effect)
 
 
 def wanted() -> tuple[str, ...]:
@@ -32,5 +42,5 @@ def wanted() -> tuple[str, ...]:
 
 
 def on_want(listener: Callable[[str], None]) -> None:
-    """Call ``listener(effect)`` whenever an effect is asked for the first time."""
+    """Call ``listener(effect)`` whenever an effect is asked for."""
     _listeners.append(listener)

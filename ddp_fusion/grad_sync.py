@@ -7,10 +7,13 @@ parameter's ``.grad``; the pass then buckets and fuses those ops as eager DDP wo
 have (the results become views of the reduced buckets). Run eagerly, the hook hands the
 gradient to the eager bucketed reducer (reducer.py).
 
-Around each forward (:meth:`GradSync.before_forward`): eager autograd's ready order is
-learned once (ready_order.py, taken from the group's rank 0, as eager DDP rebuilds its
-buckets from rank 0's order), buffers are broadcast as torch DDP does, and inside an
-enabled ``join()`` context join.py's prelude runs.
+Around each forward (:meth:`GradSync.before_forward`): buffers are broadcast as torch
+DDP does, and inside an enabled ``join()`` context join.py's prelude runs. The first
+time the forward runs compiled (traced by Dynamo, or calling compiled submodules) with
+``config.enabled`` on, compiled autograd is turned on for the process (effects.py) and
+eager autograd's ready order is learned (ready_order.py, taken from the group's rank 0,
+as eager DDP rebuilds its buckets from rank 0's order). A model whose forward never
+runs compiled keeps the eager bucketed reducer: eager DDP's speed, no compile.
 
 A model has one id (``GradSync.model_id``), carried by every tagged all-reduce its hooks
 make: a hash of its parameter names and group, so that it is the same in every process
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import weakref
 import zlib
 from typing import Any
@@ -34,6 +38,7 @@ from . import _torch, comm_hooks, effects, join, ready_order
 from .config import config
 from .log import log
 from .ops import ALL_REDUCE_GRADIENT, HOOK
+from .plan import MiB
 from .plan_check import has_peers
 from .reducer import EagerReducer
 
@@ -58,6 +63,14 @@ class SyncState:
     """``avg``, or ``ops.HOOK``: the model's comm hook reduces its buckets."""
     join_divide_by_initial: bool = True
     """``join(divide_by_initial_world_size=...)`` of the current join context."""
+    compiled: bool = False
+    """A forward ran compiled with ``config.enabled`` on: backward goes through
+    compiled autograd and the pass."""
+    compiled_while_disabled: bool = False
+    """A forward ran compiled while ``config.enabled`` was off (its compiled code has
+    no ddp_fusion in it)."""
+    holds_compiled_code: bool | None = None
+    """Whether the module calls compiled submodules (checked at the first eager forward)."""
 
 
 def _make_hook(
@@ -84,25 +97,43 @@ def _make_hook(
             # buffer), rather than being copied into the old one: no copy back.
             param.grad = _torch.tensors.as_like(param.grad, reduced)
             return
-        if config.enabled:
-            _warn_not_compiled()
+        if config.enabled and (state.compiled or state.compiled_while_disabled or not state.forwarded):
+            _warn_unfused(state)
         reducer.grad_ready(index)
 
     return reduce_grad
 
 
-def _warn_not_compiled() -> None:
+def _warn_unfused(state: SyncState) -> None:
+    """A model whose forward ran compiled reduced its gradients eagerly (bucketed,
+    correct, but outside the compiled backward)."""
     _torch.dynamo.counters()["ddp_fusion"]["unfused: compiled autograd not active"] += 1
-    if not _warned_not_compiled:
-        _warned_not_compiled.append(True)
-        log.warning(
-            "ddp_fusion: config.enabled is on but a gradient hook ran outside compiled "
-            "autograd (backward not compiled, or a graph break in it); its gradients are "
-            "reduced one by one, unfused"
+    if not state.forwarded:
+        reason = (
+            "a model's gradient hooks ran, but its forward never did (was its .module "
+            "called instead of the model?): its gradients went through the eager bucketed "
+            "reducer, unfused. Call the data-parallel model itself"
         )
+    elif state.compiled:
+        reason = (
+            "a gradient hook ran outside compiled autograd (a graph break in backward, or "
+            "compiled autograd turned off); its gradients went through the eager bucketed "
+            "reducer, unfused"
+        )
+    else:
+        reason = (
+            "config.enabled was turned on after this model's forward was compiled, so its "
+            "compiled code has no ddp_fusion in it and its gradients go through the eager "
+            "bucketed reducer, unfused. Set ddp_fusion.config.enabled = True (or "
+            "DDP_FUSION=1) before the first torch.compile call, or call "
+            "torch._dynamo.reset() after setting it"
+        )
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("ddp_fusion: %s", reason)
 
 
-_warned_not_compiled: list[bool] = []
+_warned: set[str] = set()
 
 # parameter -> weak reference to the live model (wrapper or adopted torch DDP) whose
 # hooks it carries
@@ -111,16 +142,33 @@ _models: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _syncs: dict[int, weakref.ref] = {}
 
 
-def _learn_ready_order(model_id: int, inputs: Any) -> None:
-    """Called at each eager forward, or once when Dynamo traces the forward: learn eager
-    autograd's ready order the first time compiled autograd will need it, and take
-    group rank 0's (eager DDP also rebuilds its buckets from rank 0's order)."""
+def _on_forward(key: tuple[int, bool], inputs: Any) -> None:
+    """Called at each eager forward, and when Dynamo traces the forward (``key``: the
+    model id, and whether traced). If the forward runs compiled (traced, or eager but
+    calling compiled submodules) with ``config.enabled`` on: compiled autograd on for
+    the process, and eager autograd's ready order learned, the first time, and taken
+    from group rank 0 (eager DDP also rebuilds its buckets from rank 0's order)."""
+    model_id, traced = key
     ref = _syncs.get(model_id)
     sync = ref() if ref is not None else None
-    if sync is None or sync.state.ready_learned:
+    if sync is None:
         return
-    if not config.enabled or not torch.is_grad_enabled():
-        return  # only compiled autograd needs it; the eager reducer watches its hooks
+    state = sync.state
+    if not traced:
+        if state.holds_compiled_code is None:
+            state.holds_compiled_code = _torch.dynamo.holds_compiled_code(sync.module)
+        if not state.holds_compiled_code:
+            return  # eager: the eager reducer (no compile the user did not ask for)
+    if not config.enabled:
+        state.compiled_while_disabled = True
+        return
+    state.compiled = True
+    effects.want(effects.COMPILED_AUTOGRAD)
+    if not state.ready_learned and torch.is_grad_enabled():
+        _learn_ready_order(sync, inputs)
+
+
+def _learn_ready_order(sync: GradSync, inputs: Any) -> None:
     try:
         args, kwargs = inputs()
     except Exception as e:  # noqa: BLE001 - an argument Dynamo cannot give
@@ -234,6 +282,14 @@ class GradSync:
         who: str,
         gradient_as_bucket_view: bool = False,
     ) -> None:
+        _torch.check_torch()
+        for name, p in params:
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"{who}: parameter {name!r} is on the meta device (it has no data, so "
+                    "there is nothing to reduce); materialize the module before wrapping it, "
+                    "e.g. module.to_empty(device=...) and initialize its parameters"
+                )
         _check_not_hooked(params, who)
         _torch.distributed.ensure_group_name(group)
         if gradient_as_bucket_view:
@@ -276,6 +332,19 @@ class GradSync:
         for _, p in params:
             _models[p] = me
         weakref.finalize(model, _release, self.handles, [p for _, p in params], self.model_id)
+        # The join prelude runs eagerly, outside a compiled forward (made here, not at
+        # import: torch.compiler.disable imports Dynamo).
+        self._join_prelude = torch.compiler.disable(join.prelude)
+        if log.isEnabledFor(logging.INFO):
+            nbytes = sum(_torch.tensors.local_tensor(p.detach()).nbytes for _, p in params)
+            log.info(
+                "ddp_fusion: %s reduces %d parameters (%.2f MiB) over process group %r "
+                "(%d ranks); bucket caps %s MiB; algorithm %s%s%s",
+                who, len(params), nbytes / MiB, group.group_name, group.size(),
+                [round(c / MiB, 3) for c in limits], config.algorithm,
+                ", find_unused_parameters" if find_unused_parameters else "",
+                f", comm dtype {comm_dtype}" if comm_dtype else "",
+            )
 
     def before_forward(
         self,
@@ -302,10 +371,11 @@ class GradSync:
         state.forwarded = True
         if sync_grads is not None:
             state.require_backward_grad_sync = sync_grads
-        _torch.dynamo.call_with_example_inputs(_learn_ready_order, self.model_id, args, kwargs)
+        traced = torch.compiler.is_compiling()
+        _torch.dynamo.call_with_example_inputs(_on_forward, (self.model_id, traced), args, kwargs)
         joining = _torch.distributed.join_enabled(joinable)
         if joining:
-            join.prelude(self, joinable, buffers)
+            self._join_prelude(self, joinable, buffers)
         # As eager DDP: sync buffers at a forward that follows a forward whose backward
         # reduces gradients (and at the first one). Only a model with buffers reads
         # these flags (a compiled forward guards on what it reads).
@@ -388,3 +458,8 @@ class GradSync:
             raise RuntimeError(
                 f"{who}: register the comm hook ({name}) before the model's first forward"
             )
+
+
+def live_models() -> int:
+    """How many ddp_fusion models (wrappers, adopted torch DDPs) are alive."""
+    return sum(1 for ref in _syncs.values() if ref() is not None)

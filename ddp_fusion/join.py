@@ -75,9 +75,10 @@ def _find_common_rank(group: dist.ProcessGroup, device: torch.device, candidate:
     return int(t.item())
 
 
-@torch.compiler.disable
 def prelude(sync: Joining, joinable: Any, buffers: list[torch.Tensor] | None) -> None:
-    """An active rank's part of one step inside an enabled join context (above)."""
+    """An active rank's part of one step inside an enabled join context (above). Runs
+    eagerly: call it through ``torch.compiler.disable(prelude)`` (grad_sync.py makes
+    that wrapper per model, so that importing ddp_fusion does not import Dynamo)."""
     Join.notify_join_context(joinable)
     group, state = sync.group, sync.state
     # what no_sync() asked for, decided now for this forward's backward (torch DDP's

@@ -1,7 +1,44 @@
-"""The ``ddp_fusion`` logger, shared by every module of the package."""
+"""ddp_fusion's logs, registered with torch's logging.
+
+* ``TORCH_LOGS=ddp_fusion``: INFO: each model adopted or wrapped (parameters, bucket
+  caps, group, algorithm), each bucket plan the first time it runs, graphs served
+  from Inductor's FX graph cache. ``TORCH_LOGS=+ddp_fusion``: DEBUG as well.
+* ``TORCH_LOGS=ddp_fusion_graphs``: the before and after graph of every graph the pass
+  changes (off by default, even with ``+ddp_fusion``).
+* ``TORCH_TRACE=<dir>``: the bucket plan and the graphs as structured artifacts under
+  each graph's compile id (``ddp_fusion_plan``, ``ddp_fusion_before``,
+  ``ddp_fusion_after``), which ``tlparse`` shows.
+
+Warnings go to the same ``ddp_fusion`` logger, so they show without ``TORCH_LOGS``.
+torch loads ddp_fusion's entry point (``_autoload``) when it is imported, before it
+parses ``TORCH_LOGS``, so these names are accepted there and listed by
+``TORCH_LOGS=help``; imported later (entry points off), ddp_fusion registers them and
+applies ``TORCH_LOGS`` again.
+"""
 
 from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("ddp_fusion")
+from . import _torch
+
+NAME = "ddp_fusion"
+GRAPHS = "ddp_fusion_graphs"
+ARTIFACTS = {
+    GRAPHS: ("ddp_fusion: the graph before and after fusion, for every graph the pass changes", True),
+}
+
+log = logging.getLogger(NAME)
+
+
+def _register() -> logging.Logger:
+    try:
+        if _torch.logs.register(NAME, ARTIFACTS):
+            _torch.logs.reparse()
+        return _torch.logs.artifact_logger(NAME, GRAPHS)
+    except Exception as e:  # noqa: BLE001 - a torch without these: check_torch() names it later
+        log.debug("ddp_fusion: could not register with torch's logging: %r", e)
+        return logging.getLogger(f"{NAME}.graphs")
+
+
+graphs_log = _register()

@@ -43,6 +43,9 @@ WHO = "torch.nn.parallel.DistributedDataParallel (ddp_fusion)"
 
 def refuse_arguments(arguments: dict[str, Any]) -> None:
     """Before torch's constructor: what ddp_fusion cannot honour, refused by name."""
+    # bad bucket sizes get ddp_fusion's message naming the argument (torch's own check
+    # fails on some, e.g. NaN, with "cannot convert float NaN to integer")
+    ddp_bucket_limits(arguments.get("bucket_cap_mb"), arguments.get("bucket_cap_mb_list"))
     if _torch.dynamo.optimize_ddp_mode() == "python_reducer":
         raise ValueError(
             "torch._dynamo.config.optimize_ddp is 'python_reducer' (upstream's compiled "

@@ -1,5 +1,7 @@
 """Shared fixtures: a fake process group of 2 ranks for one-process graph tests."""
 
+import logging
+
 import pytest
 import torch.distributed as dist
 
@@ -13,3 +15,13 @@ def fake_pg():
     if not dist.is_initialized():
         dist.init_process_group("fake", store=_torch.distributed.fake_store(), rank=0, world_size=2)
     yield dist.group.WORLD
+
+
+@pytest.fixture(autouse=True)
+def _ddp_fusion_records_reach_caplog():
+    """torch's logging (with which ddp_fusion registers its logger) stops it from
+    propagating; let its records reach pytest's ``caplog`` during tests."""
+    log = logging.getLogger("ddp_fusion")
+    propagate, log.propagate = log.propagate, True
+    yield
+    log.propagate = propagate

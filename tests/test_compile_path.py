@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import ddp_fusion
-from ddp_fusion import _install
+from ddp_fusion import _install, effects
 
 pytestmark = pytest.mark.usefixtures("fake_pg")
 
@@ -86,7 +86,9 @@ def test_enabled_installs_next_to_user_pass_and_restores_it():
 
     calls = []
 
-    class UserPass(_install._CustomGraphPass):
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class UserPass(CustomGraphPass):
         def __call__(self, graph):
             calls.append(graph)
 
@@ -102,6 +104,7 @@ def test_enabled_installs_next_to_user_pass_and_restores_it():
             assert isinstance(installed, _install._Chain)
             assert installed.passes == (user, _install.THE_PASS)
             assert installed.uuid()[0] == "user-pass"
+            effects.want(effects.COMPILED_AUTOGRAD)  # what a model's compiled forward asks
             assert _install._torch.compiled_autograd.active()
         assert inductor_config.post_grad_custom_post_pass is user
         assert not _install._torch.compiled_autograd.active()

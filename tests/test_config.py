@@ -78,9 +78,11 @@ def test_bad_env_names_the_variable(env, var):
 
 IMPORT_STATE = """
 import torch._dynamo.compiled_autograd as ca, torch._inductor.config as inductor, ddp_fusion
-print(inductor.post_grad_custom_post_pass is ddp_fusion._install.THE_PASS, ca.compiled_autograd_enabled)
+print(f"installed={inductor.post_grad_custom_post_pass is ddp_fusion._install.THE_PASS}",
+      f"compiled_autograd={ca.compiled_autograd_enabled}")
 ddp_fusion.config.enabled = False
-print(inductor.post_grad_custom_post_pass is None, ca.compiled_autograd_enabled)
+print(f"removed={inductor.post_grad_custom_post_pass is None}",
+      f"compiled_autograd={ca.compiled_autograd_enabled}")
 """
 
 
@@ -107,20 +109,25 @@ def fresh_imports():
     return out
 
 
-def test_env_enabled_at_import_installs_pass_and_compiled_autograd(fresh_imports):
+def test_env_enabled_at_import_installs_the_pass_not_yet_compiled_autograd(fresh_imports):
     """``DDP_FUSION=1``: importing ddp_fusion installs its pass as Inductor's
-    ``post_grad_custom_post_pass`` and turns compiled autograd on; clearing ``enabled``
-    undoes both (so the first line is not true by default)."""
+    ``post_grad_custom_post_pass`` (so the first value is not true by default); compiled
+    autograd waits for a model's first compiled forward; clearing ``enabled`` removes
+    the pass."""
     run = fresh_imports["1"]
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[:2] == ["True True", "True False"], run.stdout
+    assert run.stdout.split("\n")[:2] == [
+        "installed=True compiled_autograd=False", "removed=True compiled_autograd=False"
+    ], run.stdout
 
 
 def test_bad_env_value_fails_at_import(fresh_imports):
+    """At torch's import (the entry point loads ddp_fusion), naming the variable."""
     run = fresh_imports["maybe"]
     assert run.returncode != 0
-    assert run.stderr.strip().splitlines()[-1] == (
+    assert (
         "ValueError: environment variable DDP_FUSION must be 1 or 0 (true/false), got 'maybe'"
+        in run.stderr.splitlines()
     ), run.stderr
 
 
@@ -159,6 +166,13 @@ class TestWrapperArguments:
     def test_bad_bucket_arguments(self, bad, match):
         with pytest.raises(ValueError, match=match):
             ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), **bad)
+
+    def test_meta_device_module(self):
+        """A model not yet materialized: nothing to reduce; torch DDP fails obscurely."""
+        with torch.device("meta"):
+            m = torch.nn.Linear(2, 2)
+        with pytest.raises(ValueError, match=r"parameter 'weight' is on the meta device.*to_empty"):
+            ddp_fusion.DistributedDataParallel(m)
 
     def test_already_wrapped(self):
         inner = ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2))
@@ -249,18 +263,19 @@ class TestWrapperArguments:
 
 
 @pytest.mark.usefixtures("fake_pg")
-def test_warns_once_when_enabled_but_backward_not_compiled(caplog):
+def test_warns_once_when_a_compiled_model_reduces_outside_compiled_autograd(caplog):
     from torch._dynamo.utils import counters
 
-    from ddp_fusion import _torch, grad_sync as ddp_module
+    from ddp_fusion import _torch, grad_sync
 
-    ddp = ddp_fusion.DistributedDataParallel(torch.nn.Linear(3, 2))
-    counters.clear()
-    ddp_module._warned_not_compiled.clear()
     with ddp_fusion.config.patch(enabled=True):
-        with _torch.compiled_autograd.disabled():
-            for _ in range(2):
-                ddp(torch.randn(4, 3)).sum().backward()
+        ddp = torch.compile(ddp_fusion.DistributedDataParallel(torch.nn.Linear(3, 2)))
+        counters.clear()
+        grad_sync._warned.clear()
+        for _ in range(2):
+            loss = ddp(torch.randn(4, 3)).sum()
+            with _torch.compiled_autograd.disabled():
+                loss.backward()
     assert counters["ddp_fusion"]["unfused: compiled autograd not active"] == 4  # 2 params x 2
     assert sum("outside compiled autograd" in r.message for r in caplog.records) == 1
 

@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import ddp_fusion
+from ddp_fusion import effects
 
 pytestmark = pytest.mark.usefixtures("fake_pg")
 
@@ -29,13 +30,15 @@ class LazyCache(torch.nn.Module):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_state_built_by_the_fake_run_does_not_leak_into_the_model(compiled):
+    """Compiled, the order is learned (a fake run at trace time); eager, the eager
+    reducer needs none and nothing runs."""
     torch._dynamo.reset()
     net = LazyCache()
     with ddp_fusion.config.patch(enabled=True):
         wrapper = ddp_fusion.DistributedDataParallel(net)
         model = torch.compile(wrapper) if compiled else wrapper
         model(torch.randn(3, 4)).sum().backward()
-    assert wrapper._state.ready_position is not None  # it did learn
+    assert (wrapper._state.ready_position is not None) == compiled
     assert type(net.cache) is torch.Tensor
     torch.testing.assert_close(net.cache, torch.arange(3.0)[:, None])
 
@@ -89,10 +92,11 @@ class DataclassOut(torch.nn.Module):
 def test_output_the_fake_run_cannot_see_into_is_reported(caplog):
     """A plain dataclass output (not a pytree): no order can be learned; a warning and
     a counter say that buckets follow the graph's order."""
+    torch._dynamo.reset()
     counters.clear()
     with ddp_fusion.config.patch(enabled=True):
         wrapper = ddp_fusion.DistributedDataParallel(DataclassOut())
-        wrapper(torch.randn(2, 4))
+        torch.compile(wrapper)(torch.randn(2, 4))
     assert wrapper._state.ready_position is None
     assert counters["ddp_fusion"]["ready order: graph's"] == 1
     assert any("could not learn eager autograd's ready order" in r.message and "Out" in r.message
@@ -100,11 +104,13 @@ def test_output_the_fake_run_cannot_see_into_is_reported(caplog):
 
 
 def test_gradients_of_a_wrapper_that_never_learned_are_reported(caplog):
-    """The inner module compiled and called without the wrapper: the wrapper's hooks
+    """The inner module compiled and called without the wrapper, while compiled
+    autograd is on (another model ran compiled in the process): the wrapper's hooks
     still tag the gradients, with no ready order; the pass says it uses graph order."""
     torch._dynamo.reset()
     counters.clear()
     with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(enabled=True):
+        effects.want(effects.COMPILED_AUTOGRAD)
         wrapper = ddp_fusion.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4)))
         torch.compile(wrapper.module)(torch.randn(2, 4)).sum().backward()
     assert wrapper._state.ready_position is None

@@ -19,11 +19,17 @@ def current_compiler():
     return current[0]
 
 
+def compiled_forward_ran():
+    """What a ddp_fusion model's first compiled forward asks for (grad_sync.py)."""
+    effects.want(effects.COMPILED_AUTOGRAD)
+
+
 def test_off_restores_a_compiled_autograd_context_opened_before():
     multithreading = torch._C._is_multithreading_enabled()
     with compiled_autograd._enable(torch.compile):
         users = current_compiler()
         with ddp_fusion.config.patch(enabled=True):
+            compiled_forward_ran()
             assert current_compiler() is not users
             assert not torch._C._is_multithreading_enabled()
         assert current_compiler() is users and compiled_autograd.compiled_autograd_enabled
@@ -34,6 +40,7 @@ def test_off_restores_a_compiled_autograd_context_opened_before():
 def test_off_inside_a_context_opened_after_is_refused_clearly_and_changes_nothing():
     ddp_fusion.config.enabled = True
     try:
+        compiled_forward_ran()
         ours = current_compiler()
         with compiled_autograd._enable(torch.compile):
             with pytest.raises(RuntimeError, match="turn ddp_fusion off after leaving that context"):

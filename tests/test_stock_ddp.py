@@ -138,6 +138,8 @@ def test_refusals_name_the_setting(enabled):
 
     with pytest.raises(NotImplementedError, match="mixed_precision is not supported"):
         DDP(_net(), mixed_precision=_MixedPrecision(param_dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"^bucket_cap_mb must be a non-negative number of MiB, got nan"):
+        DDP(_net(), bucket_cap_mb=float("nan"))  # torch: "cannot convert float NaN to integer"
     emb = nn.Sequential(nn.Embedding(10, 4, sparse=True))
     with pytest.raises(NotImplementedError, match=r"module '0' is an embedding with sparse=True"):
         DDP(emb)

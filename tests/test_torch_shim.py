@@ -145,8 +145,10 @@ def test_the_scanner_follows_aliases():
     assert unresolved == {"_get_backend", "_timeout", "_x"}
 
 
-def test_a_torch_without_a_needed_internal_fails_at_import_naming_it(monkeypatch):
-    """What a torch upgrade that moved an internal looks like: a clear ImportError."""
+def test_a_torch_without_a_needed_internal_fails_naming_it(monkeypatch):
+    """What a torch upgrade that moved an internal looks like: a clear ImportError (at
+    the first use of ddp_fusion: turning it on, building a model, running the pass)."""
+    monkeypatch.setattr(_torch, "_checked", False)
     monkeypatch.delattr(torch.nn.parallel.DistributedDataParallel, "_pre_forward")
     with pytest.raises(ImportError, match=r"DistributedDataParallel\._pre_forward.*tested with torch 2\.13"):
         _torch.check_torch()

@@ -6,6 +6,7 @@
     ddp.py                stock torch DDP internals (adoption, its C++ reducer)
     distributed.py        c10d: the group registry, stores, functional collectives, Join
     tensors.py            fake tensors, DTensor, the autograd engine, pytree
+    logs.py               TORCH_LOGS names and artifacts, TORCH_TRACE artifacts
 
 Everything these modules reach is underscore-prefixed upstream and has moved between
 releases. A torch upgrade that breaks ddp_fusion should break here, and at import: each
@@ -22,14 +23,16 @@ from typing import Any
 
 import torch
 
-from . import compiled_autograd, ddp, distributed, dynamo, inductor, tensors
+from . import compiled_autograd, ddp, distributed, dynamo, inductor, logs, tensors
 
-__all__ = ["check_torch", "compiled_autograd", "ddp", "distributed", "dynamo", "inductor", "tensors"]
+__all__ = [
+    "check_torch", "compiled_autograd", "ddp", "distributed", "dynamo", "inductor", "logs", "tensors",
+]
 
 #: torch versions a full test run has passed with.
 TESTED_TORCH = ("2.13",)
 
-SUBSYSTEMS = (compiled_autograd, ddp, distributed, dynamo, inductor, tensors)
+SUBSYSTEMS = (compiled_autograd, ddp, distributed, dynamo, inductor, logs, tensors)
 
 
 def required() -> tuple[str, ...]:
@@ -52,9 +55,16 @@ def resolve(dotted: str) -> Any:
     raise ImportError(dotted)
 
 
+_checked = False
+
+
 def check_torch() -> None:
     """Raise ``ImportError`` naming every private torch API ddp_fusion needs that this
-    torch lacks."""
+    torch lacks. Called before ddp_fusion first touches torch internals (turning
+    ``enabled`` on, building a model, running the pass); checks once per process."""
+    global _checked
+    if _checked:
+        return
     missing = []
     for name in required():
         try:
@@ -67,3 +77,4 @@ def check_torch() -> None:
             f"{', '.join(missing)}. ddp_fusion is tested with torch "
             f"{', '.join(TESTED_TORCH)}; see ddp_fusion/_torch/"
         )
+    _checked = True

@@ -15,12 +15,15 @@ REQUIRED = (
     "torch._dynamo.variables.ConstDictVariable",
     "torch._dynamo.variables.TensorVariable",
     "torch._dynamo.variables.lists.BaseListVariable",
+    "torch._dynamo.eval_frame.OptimizedModule",
 )
 
 #: Attributes of objects (not importable names) this module reads, and why that is safe.
 UNCHECKED = {
     "_ComptimeVar__variable": "the VariableTracker of a comptime local; used only while "
                               "learning the ready order, whose failure is caught and logged",
+    "_compiled_call_impl": "set by nn.Module.compile() (None until then); read with getattr "
+                           "and a default",
 }
 
 
@@ -54,14 +57,14 @@ def run_compiled_code_eagerly() -> Iterator[None]:
         eval_frame._stance = prior
 
 
-def call_with_example_inputs(fn: Callable[..., None], key: int, args: Any, kwargs: Any) -> None:
+def call_with_example_inputs(fn: Callable[..., None], key: Any, args: Any, kwargs: Any) -> None:
     """``fn(key, inputs)``, where ``inputs()`` returns ``(args, kwargs)``: right away
     with the real values when running eagerly; at trace time when traced by
     torch.compile (through ``torch._dynamo.comptime``: nothing enters the graph, no graph
     break), with Dynamo's fake example values for tensors and the objects themselves for
     other arguments. ``inputs()`` may raise for an argument it cannot give; ``fn``
     calls it only if it needs the inputs. ``fn`` must be a module-level function and
-    ``key`` an int."""
+    ``key`` a constant (ints and bools, or a tuple of them)."""
     from torch._dynamo.comptime import comptime
 
     comptime(_call_at_trace_time, lambda: fn(key, lambda: (args, kwargs)))
@@ -98,3 +101,14 @@ def _example_of(vt: Any) -> Any:
 def concrete_int(x: Any) -> int:
     """An int, or the example value (hint) of a symbolic one, without adding a guard."""
     return x if isinstance(x, int) else int(x.node.hint)
+
+
+def holds_compiled_code(module: Any) -> bool:
+    """Whether ``module`` or a submodule is compiled (``torch.compile(module)``, or
+    ``module.compile()``): then calling it runs compiled code."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )

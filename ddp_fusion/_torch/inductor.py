@@ -11,7 +11,7 @@ import torch.fx
 
 REQUIRED = (
     "torch._inductor.config.post_grad_custom_post_pass",
-    "torch._inductor.custom_graph_pass.CustomGraphPass",
+    "torch._inductor.custom_graph_pass.CustomGraphPass.register",
     "torch._inductor.custom_graph_pass.get_hash_for_files",
     "torch._inductor.pattern_matcher.stable_topological_sort",
     "torch._TorchCompileInductorWrapper",
@@ -46,10 +46,20 @@ def without_post_grad_pass() -> Any:
     return config().patch(post_grad_custom_post_pass=None)
 
 
-def custom_graph_pass_base() -> type:
+def register_graph_pass(cls: type) -> None:
+    """Make ``cls`` (a callable on a graph with a ``uuid()``) a virtual subclass of
+    Inductor's ``CustomGraphPass``, which is what Inductor checks to cache graphs
+    compiled with it (an ABC: no need to import Inductor to define ``cls``)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    return CustomGraphPass
+    CustomGraphPass.register(cls)
+
+
+def is_graph_pass(obj: Any) -> bool:
+    """Whether Inductor takes ``obj`` as a ``CustomGraphPass`` (it has a ``uuid()``)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return isinstance(obj, CustomGraphPass)
 
 
 def hash_files(paths: tuple[str, ...], extra: str) -> bytes:

@@ -50,9 +50,11 @@ def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Buck
         return _plan_in_ready_order(graph, grads)
     if any(g.key.model_id >= 0 and g.ready_order < 0 for g in grads):
         graph_order(
-            "a wrapper's gradients carry no ready order: its forward did not run with "
-            "config.enabled and grad mode on before this backward was compiled (say, a "
-            "compiled inner module called without the wrapper)"
+            "a model's gradients carry no ready order: its forward did not run compiled "
+            "with config.enabled and grad mode on before this backward was compiled. Either "
+            "config.enabled was turned on after the model's forward was compiled (set it "
+            "before the first torch.compile call, or call torch._dynamo.reset() after "
+            "setting it), or its .module was called instead of the model"
         )
     return _plan_in_graph_order(graph, grads)
 

@@ -1,0 +1,14 @@
+"""ddp_fusion's entry point in torch's ``torch.backends`` group (pyproject.toml).
+
+torch 2.13 loads every entry point of that group when it is imported, before it parses
+``TORCH_LOGS`` (so that extensions can register log names), unless
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0``. Loading it imports ``ddp_fusion``, which registers
+its log names (log.py) and applies the ``DDP_FUSION*`` environment variables: so
+``DDP_FUSION=1`` takes effect in a script that never imports ddp_fusion (an HF Trainer,
+Lightning or Accelerate run). Without ``DDP_FUSION=1`` the import is cheap: nothing in
+ddp_fusion touches torch internals until it is turned on or used.
+"""
+
+
+def load() -> None:
+    """Nothing beyond importing the package (done by importing this module)."""
