@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from . import _torch, effects, grad_sync, stock
+from . import _torch, dump, effects, grad_sync, stock
 from .config import config
 from .log import log
 from .ops import ALL_REDUCE_GRADIENT, HOOK
@@ -139,7 +139,8 @@ def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
             "the hook (its Python, its state). Use another mode for the backward"
         )
     backend = _torch.inductor.backend(
-        kwargs.pop("mode", None), kwargs.pop("options", None), kwargs.get("dynamic"), _patches_for
+        kwargs.pop("mode", None), kwargs.pop("options", None), kwargs.get("dynamic"), _patches_for,
+        on_lowering=dump.lowered,
     )
     return torch.compile(graph_module, backend=backend, **kwargs)
 

@@ -28,12 +28,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _torch, comm_hooks, scaling
+from . import _torch, comm_hooks, dump, scaling
+from .config import config
 from .log import log
 from .ops import CUDAGRAPH_UNSAFE
 from .plan import BucketPlan
@@ -178,10 +179,21 @@ def published_plan(plan_hash: int) -> str:
     return _torch.distributed.default_store().get(f"ddp_fusion/plan/{plan_hash}").decode()
 
 
+_compiled_here: set[str] = set()
+
+
+def compiled_here(plans: Iterable[str]) -> None:
+    """The pass made these plans in this process (others come from Inductor's cache)."""
+    _compiled_here.update(plans)
+
+
 def _report_plan(group_name: str, plan: str) -> None:
     """Count and log (INFO) a plan the first time this process runs it, whether the
-    graph was compiled here or served from Inductor's FX graph cache."""
+    graph was compiled here or served from Inductor's FX graph cache (then the pass
+    did not run: dump.py says so, and dumps the plan)."""
     _torch.dynamo.counters()["ddp_fusion"]["plans_run"] += 1
+    if plan not in _compiled_here:
+        dump.show_cached(group_name, plan, plan_id(plan), config.dump_dir)
     if log.isEnabledFor(logging.INFO):
         buckets = parse(plan).buckets
         log.info(

@@ -40,9 +40,11 @@ loaded = "ddp_fusion" in sys.modules
 ddp = torch.nn.parallel.DistributedDataParallel(net())
 adopted = hasattr(ddp, "_ddp_fusion")
 steps(ddp, 2)
-eager = {"captures": counters["compiled_autograd"]["captures"], "plans": counters["ddp_fusion"]["plans_run"]}
+eager = {"captures": counters["compiled_autograd"]["captures"],
+         "plans": counters["ddp_fusion"]["plans_run"]}
 steps(torch.compile(ddp), 2)
-compiled = {"captures": counters["compiled_autograd"]["captures"], "plans": counters["ddp_fusion"]["plans_run"]}
+compiled = {"captures": counters["compiled_autograd"]["captures"],
+            "plans": counters["ddp_fusion"]["plans_run"]}
 print(json.dumps({"loaded": loaded, "adopted": adopted, "eager": eager, "compiled": compiled,
                   "warnings": warnings}))
 """

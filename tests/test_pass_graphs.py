@@ -80,13 +80,13 @@ def forward(self, x_1, w1_1, w2_1):
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
     div_tensor = torch.ops.aten.div.Tensor(view_default, plan_guard_default);  view_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
-    cat_default = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
-    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(cat_default, 'sum', '0');  cat_default = None
-    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
-    split_with_sizes_default = torch.ops.aten.split_with_sizes.default(wait_tensor_default, [15, 5]);  wait_tensor_default = None
-    getitem = split_with_sizes_default[0]
+    bucket0_cat = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
+    bucket0_all_reduce = torch.ops._c10d_functional.all_reduce.default(bucket0_cat, 'sum', '0');  bucket0_cat = None
+    bucket0_wait = torch.ops._c10d_functional.wait_tensor.default(bucket0_all_reduce);  bucket0_all_reduce = None
+    bucket0_split = torch.ops.aten.split_with_sizes.default(bucket0_wait, [15, 5]);  bucket0_wait = None
+    getitem = bucket0_split[0]
     view_default_1 = torch.ops.aten.view.default(getitem, [5, 3]);  getitem = None
-    getitem_1 = split_with_sizes_default[1];  split_with_sizes_default = None
+    getitem_1 = bucket0_split[1];  bucket0_split = None
     return (getitem_1, view_default_1)""")
 
     def test_coalesced(self):
@@ -101,13 +101,13 @@ def forward(self, x_1, w1_1, w2_1):
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "coalesced", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
-    _foreach_div_tensor = torch.ops.aten._foreach_div.Tensor([mm_1, sum_1], plan_guard_default);  mm_1 = sum_1 = plan_guard_default = None
-    all_reduce_coalesced_default = torch.ops._c10d_functional.all_reduce_coalesced.default(_foreach_div_tensor, 'sum', '0');  _foreach_div_tensor = None
-    getitem = all_reduce_coalesced_default[0]
-    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(getitem);  getitem = None
-    getitem_1 = all_reduce_coalesced_default[1];  all_reduce_coalesced_default = None
-    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(getitem_1);  getitem_1 = None
-    return (wait_tensor_default_1, wait_tensor_default)""")
+    bucket0_scale = torch.ops.aten._foreach_div.Tensor([mm_1, sum_1], plan_guard_default);  mm_1 = sum_1 = plan_guard_default = None
+    bucket0_all_reduce_coalesced = torch.ops._c10d_functional.all_reduce_coalesced.default(bucket0_scale, 'sum', '0');  bucket0_scale = None
+    getitem = bucket0_all_reduce_coalesced[0]
+    bucket0_wait = torch.ops._c10d_functional.wait_tensor.default(getitem);  getitem = None
+    getitem_1 = bucket0_all_reduce_coalesced[1];  bucket0_all_reduce_coalesced = None
+    bucket0_wait_1 = torch.ops._c10d_functional.wait_tensor.default(getitem_1);  getitem_1 = None
+    return (bucket0_wait_1, bucket0_wait)""")
 
     def test_without_wait_scheduling_wait_follows_collective(self):
         def fn(x, w):

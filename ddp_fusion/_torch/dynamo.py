@@ -16,6 +16,7 @@ REQUIRED = (
     "torch._dynamo.variables.TensorVariable",
     "torch._dynamo.variables.lists.BaseListVariable",
     "torch._dynamo.eval_frame.OptimizedModule",
+    "torch._guards.CompileContext.current_compile_id",
 )
 
 #: Attributes of objects (not importable names) this module reads, and why that is safe.
@@ -112,3 +113,13 @@ def holds_compiled_code(module: Any) -> bool:
         isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
         for m in module.modules()
     )
+
+
+def current_compile_id() -> str | None:
+    """The compile id of the graph being compiled (``"0/0"``; ``"!1/2/0"`` for the
+    second graph compiled autograd captured), as TORCH_LOGS and tlparse print it; None
+    outside a compile."""
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    return None if cid is None else str(cid)

@@ -3,7 +3,8 @@ compiled autograd compiles backward graphs with, and the options ddp_fusion sets
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ REQUIRED = (
     "torch._inductor.custom_graph_pass.get_hash_for_files",
     "torch._inductor.pattern_matcher.stable_topological_sort",
     "torch._TorchCompileInductorWrapper",
+    "torch._inductor.graph.GraphLowering.__init__",
 )
 
 #: Attributes of objects (not importable names) this module reads, and why that is safe.
@@ -80,9 +82,12 @@ def stable_topological_sort(graph: torch.fx.Graph) -> None:
 def backend(
     mode: str | None, options: dict[str, Any] | None, dynamic: bool | None,
     extra_patches: Callable[[torch.fx.GraphModule], dict[str, Any]],
+    on_lowering: Callable[[torch.fx.GraphModule], None] | None = None,
 ) -> Any:
     """The backend ``torch.compile(backend="inductor", mode=, options=, dynamic=)`` uses,
-    plus ``extra_patches(graph)``: Inductor config patches chosen per Dynamo graph."""
+    plus ``extra_patches(graph)``: Inductor config patches chosen per Dynamo graph; and
+    ``on_lowering(gm)``, called with each post-grad graph Inductor lowers to code (after
+    all its graph passes, its re-inplacing included), before it lowers it."""
     from torch import _TorchCompileInductorWrapper
 
     class Backend(_TorchCompileInductorWrapper):
@@ -92,11 +97,43 @@ def backend(
             saved = self.config
             self.config = {**saved, **extra_patches(model_)}
             try:
-                return super().__call__(model_, inputs_, **kwargs)
+                with _watching_lowering(on_lowering):
+                    return super().__call__(model_, inputs_, **kwargs)
             finally:
                 self.config = saved
 
     return Backend(mode, options, dynamic)
+
+
+_watched: list[bool] = []
+
+
+def lowering_watched() -> bool:
+    """Whether the graph being compiled goes through a :func:`backend` with an
+    ``on_lowering`` (which will see its final form)."""
+    return bool(_watched)
+
+
+@contextlib.contextmanager
+def _watching_lowering(on_lowering: Callable[[torch.fx.GraphModule], None] | None) -> Iterator[None]:
+    if on_lowering is None:
+        yield
+        return
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.__init__
+
+    def __init__(self: Any, gm: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        on_lowering(gm)
+        original(self, gm, *args, **kwargs)
+
+    GraphLowering.__init__ = __init__
+    _watched.append(True)
+    try:
+        yield
+    finally:
+        _watched.pop()
+        GraphLowering.__init__ = original
 
 
 def options_without_upstream_ddp_fusion() -> dict[str, Any]:

@@ -26,7 +26,6 @@ to place waits.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch.fx
 from torch.fx.node import map_arg
@@ -86,11 +85,12 @@ def fuse_ddp_allreduces(
     _report_unfused(unfused)
     if not grads:
         return FusionResult(to_plan([], unfused, algorithm), [], unfused)
-    before = dump.graph_code(graph) if dump_dir else ""
+    before = dump.graph_code(graph) if dump.wanted(dump_dir) else None
 
     buckets = plan_buckets(graph, grads)
     result = FusionResult(to_plan(buckets, unfused, algorithm), buckets, unfused)
     plans = group_plans(result.plan)
+    plan_check.compiled_here(plans.values())
     make = NodeMaker(graph)
     guards = insert_plan_guards(make, buckets, plans)
     hooked = _hook_groups(result.plan, plans)
@@ -107,10 +107,11 @@ def fuse_ddp_allreduces(
             after = fused[-1].tails[-1][-1]  # the end of the previous bucket's nodes
         key = bucket.key
         guard = guards[key.group_name, key.reduce_op, key.device]
+        label = f"bucket{i}"
         if planned.hook is not None:  # the model's comm hook reduces it (comm_hooks.py)
-            fused.append(fuse_concat(make, bucket, after, guard, hooked[i]))
+            fused.append(fuse_concat(make, bucket, after, guard, label, hooked[i]))
         else:
-            fused.append(_FUSERS[algorithm](make, bucket, after, guard))
+            fused.append(_FUSERS[algorithm](make, bucket, after, guard, label))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})
     # A reader of an early gradient in a bucket may sit before the bucket's collective
     # (never in a compiled backward, where readers are the graph's outputs, but
@@ -123,8 +124,9 @@ def fuse_ddp_allreduces(
     graph.lint()
 
     _record(result)
-    if dump_dir:
-        result.dump_stem = dump.write(dump_dir, before, dump.graph_code(graph), result.plan)
+    result.dump_stem = dump.show(
+        result.plan, before, graph, dump_dir, lowering_follows=_torch.inductor.lowering_watched()
+    )
     return result
 
 
@@ -175,5 +177,3 @@ def _record(result: FusionResult) -> None:
     counters["graphs"] += 1
     counters["buckets"] += len(result.buckets)
     counters["fused_all_reduces"] += sum(len(b.grads) for b in result.buckets)
-    if log.isEnabledFor(logging.INFO):
-        log.info("ddp_fusion bucket plan: %s", result.plan.to_json())

@@ -33,10 +33,15 @@ class NodeMaker:
             self._convert = False
 
     def __call__(
-        self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+        self,
+        target: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        name: str | None = None,
     ) -> torch.fx.Node:
+        """``name``: the node's name (made unique by the graph), else one from ``target``."""
         kwargs = kwargs or {}
-        node = self.graph.call_function(target, args, kwargs)
+        node = self.graph.call_function(target, args, kwargs, name=name)
         fake_args, fake_kwargs = map_arg((args, kwargs), lambda n: n.meta["val"])
         if self._convert:
             fake_args, fake_kwargs = _torch.tensors.tree_map_only(

@@ -31,8 +31,9 @@ c10d = _torch.distributed.c10d_functional
 
 
 def fuse_coalesced(
-    make: NodeMaker, bucket: Bucket, after: torch.fx.Node, divisor: torch.fx.Node
+    make: NodeMaker, bucket: Bucket, after: torch.fx.Node, divisor: torch.fx.Node, label: str
 ) -> FusedBucket:
+    """``label``: the bucket's name (``bucket<i>``), which its nodes' names start with."""
     key = bucket.key
     with make.graph.inserting_before(after.next):
         # all_reduce_coalesced returns contiguous tensors whatever its inputs' strides
@@ -50,7 +51,7 @@ def fuse_coalesced(
                 make(prims.convert_element_type.default, (g, key.comm_dtype))
                 for g in grads
             ]
-        inputs = make(aten._foreach_div.Tensor, (grads, divisor))
+        inputs = make(aten._foreach_div.Tensor, (grads, divisor), name=f"{label}_scale")
         wire_dtype = key.comm_dtype or key.dtype
         if any(v.dtype != wire_dtype for v in inputs.meta["val"]):
             # _foreach_div by the fp32 divisor promotes (some) bf16/fp16 tensors to fp32;
@@ -63,12 +64,13 @@ def fuse_coalesced(
                 for item in items
             ]
         collective = make(
-            c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name)
+            c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name),
+            name=f"{label}_all_reduce_coalesced",
         )
         tails, outputs = [], []
         for i in range(len(bucket.grads)):
             item = make(operator.getitem, (collective, i))
-            tail = [item, make(c10d.wait_tensor.default, (item,))]
+            tail = [item, make(c10d.wait_tensor.default, (item,), name=f"{label}_wait")]
             if key.comm_dtype is not None:
                 tail.append(
                     make(prims.convert_element_type.default, (tail[-1], key.dtype))

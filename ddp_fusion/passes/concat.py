@@ -52,10 +52,12 @@ def fuse_concat(
     bucket: Bucket,
     after: torch.fx.Node,
     divisor: torch.fx.Node,
+    label: str,
     group_name: str | None = None,
 ) -> FusedBucket:
-    """``group_name``: the group the bucket's collective goes to, if not the bucket's
-    own (a comm hook's, see comm_hooks.py)."""
+    """``label``: the bucket's name (``bucket<i>``), which its nodes' names start with.
+    ``group_name``: the group the bucket's collective goes to, if not the bucket's own
+    (a comm hook's, see comm_hooks.py)."""
     key = bucket.key
     with make.graph.inserting_before(after.next):
         flats = []
@@ -64,14 +66,16 @@ def fuse_concat(
             if key.comm_dtype is not None:
                 flat = make(prims.convert_element_type.default, (flat, key.comm_dtype))
             flats.append(make(aten.div.Tensor, (flat, divisor)))
-        flat = make(aten.cat.default, (flats,))
-        collective = make(c10d.all_reduce.default, (flat, "sum", group_name or key.group_name))
-        wait = make(c10d.wait_tensor.default, (collective,))
+        flat = make(aten.cat.default, (flats,), name=f"{label}_cat")
+        collective = make(c10d.all_reduce.default, (flat, "sum", group_name or key.group_name),
+                          name=f"{label}_all_reduce")
+        wait = make(c10d.wait_tensor.default, (collective,), name=f"{label}_wait")
         tail = [wait]
         if key.comm_dtype is not None:
             wait = make(prims.convert_element_type.default, (wait, key.dtype))
             tail.append(wait)
-        parts = make(aten.split_with_sizes.default, (wait, [g.numel for g in bucket.grads]))
+        parts = make(aten.split_with_sizes.default, (wait, [g.numel for g in bucket.grads]),
+                     name=f"{label}_split")
         tail.append(parts)
         outputs = []
         for i, g in enumerate(bucket.grads):
