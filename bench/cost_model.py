@@ -11,11 +11,12 @@ Three parts, all in one run:
    this VM a collective is either fast or delayed by up to a 4 ms scheduler tick, so a
    step with many blocking collectives pays the mean, several times the median).
 2. **Reproduction.** For each (model, mode) -- models ``mlp`` and ``gpt`` of
-   bench/_step_time_worker.py, modes ``eager_ddp``, ``ddp_fusion_concat``,
+   bench/_lib/models.py, modes ``eager_ddp``, ``ddp_fusion_concat``,
    ``compiled_autograd_nofusion``, ``upstream_python_reducer_concat`` and the
-   ``compute_only`` control, torch's default buckets -- a fresh pair of gloo ranks warms up
-   (compiles), times >= 10 unprofiled steps (``dist.barrier()`` before each, step time = max
-   over ranks, as bench/step_time.py), then profiles a few steps with ``torch.profiler``.
+   ``compute_only`` control, torch's default buckets -- a fresh pair of gloo ranks runs
+   bench.step_time's training step and worker (bench/_lib/step.py): warms up (compiles),
+   times >= 10 unprofiled steps (``dist.barrier()`` before each, step time = max over
+   ranks, as bench.step_time), then profiles a few steps with ``torch.profiler``.
    From each profiled step and rank it reads, on the main thread, every collective issue
    (``c10d::allreduce_`` / ``_c10d_functional::all_reduce_`` ...: the bucket ready time),
    every blocking wait (``_c10d_functional::wait_tensor``; for eager DDP the idle gap in
@@ -29,14 +30,15 @@ Three parts, all in one run:
    predicted step is the later rank's end; with all waits at the end of backward this is
    ``backward compute end + max(0, last comm end - backward compute end) + optimizer +
    the rest``. Predicted (with each fit) vs measured (median of the unprofiled steps,
-   timed in blocks between the profiled ones), error in %.
+   timed in blocks between the profiled ones), error in % (bench/_lib/replay.py).
 3. **Projection.** GPT-2-small-sized job (124.4 M parameters, fp32 gradients, 25 MiB
    buckets) on 8 / 16 / 64 / 256 / 1,024 H100 SXM GPUs, 8 per node: NCCL-style ring
    and tree all-reduce times from the published link bandwidths and NCCL's own latency
    constants (table printed, with sources), GPU compute from 6 * N * tokens FLOPs at a
    stated MFU (an assumption: there is no GPU here). Per GPU count: step time, exposed
    communication and overlap for one all-reduce per gradient (unfused compiled autograd),
-   DDP buckets (eager DDP and ddp_fusion issue the same buckets) and one bucket at the end.
+   DDP buckets (eager DDP and ddp_fusion issue the same buckets) and one bucket at the end
+   (bench/_lib/projection.py).
 
     python -m bench.cost_model                   # everything (about 5-10 min on 2 cores)
     python -m bench.cost_model --quick           # fewer steps, no upstream mode
@@ -48,36 +50,27 @@ Writes tables to stdout and ``bench/out/cost_model.json``. Compiled kernels are 
 ``bench/out/inductor_cache`` (``--cache-dir``), so a second run compiles much faster.
 """
 
+
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import statistics
 import time
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from bench._lib import comm, projection, replay, step
+from bench._lib.jobs import Job, JobError
+from bench._lib.modes import all_modes
+from bench._lib.projection import GPU_COUNTS, PARAMS
+from bench._lib.record import OUT_DIR, provenance
+from ddp_fusion.launch import run_ranks
 
-from bench.step_time import machine
-
-OUT_DIR = os.path.join(os.path.dirname(__file__), "out")
 MODES = ("eager_ddp", "ddp_fusion_concat", "compiled_autograd_nofusion",
          "upstream_python_reducer_concat", "compute_only")
 QUICK_MODES = ("eager_ddp", "ddp_fusion_concat", "compiled_autograd_nofusion", "compute_only")
 CALIB_BYTES = [4096 * 2**i for i in range(14)]  # 4 KiB .. 32 MiB
-
-# Profiler event names (main thread) of a collective's issue and of a blocking wait;
-# nested issue ops (_c10d_functional::all_reduce_ -> c10d::allreduce_) count once.
-ISSUE_OPS = {"c10d::allreduce_", "c10d::allreduce_coalesced_", "_c10d_functional::all_reduce",
-             "_c10d_functional::all_reduce_", "_c10d_functional::all_reduce_coalesced",
-             "_c10d_functional::all_reduce_coalesced_"}
-WAIT_OPS = {"_c10d_functional::wait_tensor", "c10d::wait"}
-COPY_OUT = "torch.distributed.ddp.reducer::copy_bucket_to_grad"  # eager DDP's finalize
-_ITEMSIZE = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8}
 
 
 def _log(t0: float, msg: str) -> None:
@@ -87,54 +80,21 @@ def _log(t0: float, msg: str) -> None:
 # =========================================================================== 1. calibration
 
 
-def calib_worker(rank: int, world_size: int, sizes: list[int], reps: list[int]) -> list[list[float]]:
-    """Per size, ``reps`` timings (ms) of one blocking ``dist.all_reduce``."""
-    torch.set_num_threads(1)
-    return [all_reduce_times(torch.ones(nbytes // 4), n) for nbytes, n in zip(sizes, reps)]
-
-
-def all_reduce_times(x: torch.Tensor, n: int, warmup: int = 3) -> list[float]:
-    """``n`` timings (ms) of one blocking ``dist.all_reduce(x)``, each after a barrier."""
-    for _ in range(warmup):  # warm up the size (gloo allocates per size)
-        dist.all_reduce(x)
-    ts = []
-    for _ in range(n):
-        dist.barrier()
-        t = time.perf_counter()
-        dist.all_reduce(x)
-        ts.append(1e3 * (time.perf_counter() - t))
-    return ts
-
-
-def fit_alpha_beta(nbytes: list[int], t_ms: list[float]) -> tuple[float, float]:
-    """``(alpha_ms, beta_ms_per_byte)`` minimizing sum(((alpha + beta n - t) / t)^2)."""
-    import numpy as np
-
-    n = np.asarray(nbytes, dtype=float)
-    t = np.asarray(t_ms, dtype=float)
-    a = np.stack([1 / t, n / t], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
-    return float(alpha), float(beta)
-
-
 def calibrate(quick: bool, t0: float) -> dict[str, Any]:
     """Per size, the median (typical) and mean (expected) time of one all-reduce, max over
     ranks; two fits: ``median`` (the plain model) and ``mean`` (the correction, see
     ``FITS``)."""
-    from bench import cost_model as this
-    from ddp_fusion.launch import run_ranks
-
     reps = [(30 if quick else 60) if b <= 1 << 20 else (8 if quick else 20) for b in CALIB_BYTES]
     _log(t0, f"calibration: 2 gloo ranks x 1 thread, dist.all_reduce of fp32 tensors "
              f"{CALIB_BYTES[0] // 1024} KiB .. {CALIB_BYTES[-1] >> 20} MiB, {reps[0]}/{reps[-1]} reps")
-    res = run_ranks(this.calib_worker, world_size=2, args=(CALIB_BYTES, reps), timeout=900,
+    res = run_ranks(comm.calibration, world_size=2, args=(CALIB_BYTES, reps), timeout=900,
                     threads_per_rank=1)
     samples = [[max(pair) for pair in zip(r0, r1)] for r0, r1 in zip(*res)]
     stats = {"median": [statistics.median(x) for x in samples],
              "mean": [statistics.fmean(x) for x in samples]}
     out: dict[str, Any] = {"reps": reps, "fits": {}, "rows": []}
     for name, ts in stats.items():
-        alpha, beta = fit_alpha_beta(CALIB_BYTES, ts)
+        alpha, beta = comm.fit_alpha_beta(CALIB_BYTES, ts)
         out["fits"][name] = {"alpha_ms": alpha, "beta_ms_per_byte": beta, "bandwidth_GBps": 1e-6 / beta}
     for i, b in enumerate(CALIB_BYTES):
         x = sorted(samples[i])
@@ -177,269 +137,40 @@ def print_calibration(cal: dict[str, Any]) -> None:
         print(f"largest |residual| of the {name} fit: {worst:.0f}%")
 
 
-# =========================================================================== 2. timelines
+# =========================================================================== 2. replay
 
 
-def _nbytes(shapes: list, dtypes: list) -> int:
-    total = 0
-    for shape, dtype in zip(shapes, dtypes):
-        if shape and dtype in _ITEMSIZE:
-            total += math.prod(shape) * _ITEMSIZE[dtype]
-    return total
-
-
-def _outermost(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    iv = sorted(iv, key=lambda x: (x[0], -x[1]))
-    out: list[tuple[float, float]] = []
-    for s, e in iv:
-        if out and s >= out[-1][0] and e <= out[-1][1]:
-            continue
-        out.append((s, e))
-    return out
-
-
-def _timelines(prof: Any) -> list[dict[str, Any]]:
-    """Per profiled step (``cm::step`` range), times in ms from the step's start."""
-    evs = list(prof.profiler.kineto_results.events())
-    steps = sorted((e for e in evs if e.name() == "cm::step"), key=lambda e: e.start_ns())
-    main = steps[0].start_thread_id()
-    out = []
-    for st in steps:
-        s0, s1 = st.start_ns(), st.end_ns()
-
-        def rel(t: int) -> float:
-            return (t - s0) / 1e6  # noqa: B023
-
-        inside = [e for e in evs if s0 <= e.start_ns() <= s1]
-        on_main = [e for e in inside if e.start_thread_id() == main]
-        phases = {e.name()[len("step::"):]: (rel(e.start_ns()), rel(e.end_ns()))
-                  for e in on_main if e.name().startswith("step::")}
-        issues = _outermost([(rel(e.start_ns()), rel(e.end_ns())) for e in on_main if e.name() in ISSUE_OPS])
-        waits = _outermost([(rel(e.start_ns()), rel(e.end_ns())) for e in on_main if e.name() in WAIT_OPS])
-        # the bucket all-reduces (ddp_fusion's per-step plan check, an 8-byte all-gather
-        # waited for inside its guard op, stays in the compute timeline)
-        colls = sorted((rel(e.start_ns()), rel(e.end_ns()), _nbytes(e.shapes(), e.dtypes()))
-                       for e in inside if e.name() in ("gloo:all_reduce", "nccl:all_reduce"))
-        copy_out = sorted(rel(e.start_ns()) for e in on_main if e.name() == COPY_OUT)
-        busy = sorted((rel(e.start_ns()), rel(e.end_ns())) for e in on_main
-                      if not e.name().startswith(("cm::", "step::")))
-        gaps, cur = [], 0.0
-        for s, e in busy:
-            if s > cur + 0.02:
-                gaps.append((cur, s))
-            cur = max(cur, e)
-        if rel(s1) > cur + 0.02:
-            gaps.append((cur, rel(s1)))
-        out.append({"wall_ms": rel(s1), "phases": phases, "issues": issues, "waits": waits,
-                    "colls": colls, "copy_out": copy_out, "gaps": gaps})
-    return out
-
-
-def mode_worker(rank: int, world_size: int, model_name: str, mode_name: str, warmup: int,
-                timed: int, profiled: int, set_to_none: bool = True) -> dict[str, Any]:
-    """One rank of one (model, mode): compile, time, profile. The step is
-    bench/_step_time_worker.TrainStep, the one bench/step_time times (zero_grad,
-    forward, loss, backward, SGD step, each phase labelled ``step::<phase>``)."""
-    from torch.profiler import profile, record_function
-
-    from bench._step_time_worker import _build, _profile_step, all_modes, make_batches
-
-    torch.set_num_threads(1)
-    torch._dynamo.reset()  # before the mode: reset() also turns compiled autograd off
-    mode = all_modes()[mode_name]
-    batches = make_batches(model_name, rank, 4)
-    with torch._inductor.config.patch(compile_threads=1), mode.context():
-        step = _build(model_name, mode, None, batches, set_to_none=set_to_none)
-        dist.barrier()
-        t = time.perf_counter()
-        for _ in range(warmup):
-            step()
-        dist.barrier()
-        compile_s = time.perf_counter() - t
-        # bucket bytes from one step with shapes recorded; the timelines from steps
+def run_job(model: str, mode: str, warmup: int, timed: int, profiled: int) -> list[dict[str, Any]]:
+    """One (model, mode) on its own ranks: compile, then blocks of timed steps each
+    followed by one profiled step (so both see the same load on a shared machine), then
+    one step's held and peak memory. Per rank: ``compile_s``, ``times_ms``, ``steps``
+    (time lines with each collective's bytes), ``held_bytes``, ``peak_bytes``."""
+    job = Job(model, mode, None, pg_timeout=900)
+    try:
+        job.start()
+        compile_s = job.run(step.warmup, warmup)
+        # bucket bytes from one step with shapes recorded; the time lines from steps
         # without (record_shapes costs microseconds per op, i.e. percent of an eager step)
-        dist.barrier()
-        with profile(record_shapes=True) as prof:
-            with record_function("cm::step"):
-                step()
-        sizes = [b for _, _, b in _timelines(prof)[0]["colls"]]
-        # timed and profiled steps interleaved (a block of timed steps, then one profiled
-        # step), so that both see the same load on a shared machine
-        times: list[float] = []
-        steps: list[dict[str, Any]] = []
+        sizes = [[b for _, _, b in t["colls"]] for t in job.run(step.trace, True)]
+        ranks: list[dict[str, Any]] = [{"compile_s": c, "times_ms": [], "steps": []} for c in compile_s]
         for i in range(profiled):
-            for _ in range(timed // profiled + (1 if i < timed % profiled else 0)):
-                dist.barrier()
-                t = time.perf_counter()
-                step()
-                times.append(1e3 * (time.perf_counter() - t))
-            dist.barrier()
-            with profile() as prof:
-                dist.barrier()
-                with record_function("cm::step"):
-                    step()
-            st = _timelines(prof)[0]
-            if len(st["colls"]) != len(sizes):
-                raise RuntimeError(f"{len(st['colls'])} collectives in a step, {len(sizes)} before")
-            st["colls"] = [(s, e, b) for (s, e, _), b in zip(st["colls"], sizes)]
-            steps.append(st)
-        dist.barrier()
-        memory = _profile_step(step, "cpu")  # held and peak bytes (bench.step_time's measure)
-        return {"compile_s": compile_s, "times_ms": times, "steps": steps,
-                "held_bytes": memory["held_bytes"], "peak_bytes": memory["peak_bytes"]}
-
-
-# --------------------------------------------------------------------------- the model
-
-
-def _blocked(step: dict[str, Any]) -> list[tuple[float, float]]:
-    """Main-thread intervals spent waiting for communication: the wait ops; in modes
-    without wait ops (eager DDP waits in C++, with no profiler event), the idle gaps
-    after the last issue in which a collective completes."""
-    if step["waits"]:
-        return list(step["waits"])
-    if not step["issues"]:
-        return []
-    last = step["issues"][-1][1]
-    ends = [e for _, e, _ in step["colls"]]
-    return [(s, e) for s, e in step["gaps"] if s >= last and any(s <= c <= e + 0.05 for c in ends)]
-
-
-def compute_view(step: dict[str, Any]) -> dict[str, Any]:
-    """The step on the rank's *compute clock* (wall time minus blocked time): collective
-    issue times, their bytes, the sync points (clock, index of the collective waited
-    for), and the total compute time."""
-    blocked = _blocked(step)
-
-    def tau(t: float) -> float:
-        return t - sum(max(0.0, min(e, t) - s) for s, e in blocked)
-
-    issues = step["issues"]
-    colls = step["colls"]
-    if len(issues) != len(colls):
-        raise ValueError(f"{len(issues)} collective issues but {len(colls)} backend collectives")
-    k = len(issues)
-    syncs: list[tuple[float, int]] = []
-    if step["waits"]:
-        if len(step["waits"]) == k:  # one wait per collective, in issue order
-            syncs = [(tau(s), i) for i, (s, _) in enumerate(step["waits"])]
-        else:  # otherwise a wait waits for everything issued before it
-            syncs = [(tau(s), max(i for i, (t, _) in enumerate(issues) if t <= s))
-                     for s, _ in step["waits"]]
-    elif k:
-        # eager DDP: finalize_backward waits for every bucket, then copies results out
-        last = issues[-1][1]
-        cands = [s for s, _ in blocked if s >= last] + [t for t in step["copy_out"] if t >= last]
-        t_sync = min(cands) if cands else step["phases"]["backward"][1]
-        syncs = [(tau(t_sync), k - 1)]
-    bwd = step["phases"]["backward"]
-    return {"issue": [tau(s) for s, _ in issues], "bytes": [b for _, _, b in colls],
-            "syncs": syncs, "total": tau(step["wall_ms"]),
-            "blocked_ms": sum(e - s for s, e in blocked),
-            "backward": (tau(bwd[0]), tau(bwd[1])), "wall_ms": step["wall_ms"],
-            "measured_coll_ms": [e - s for s, e, _ in colls]}
-
-
-def simulate(ranks: list[dict[str, Any]], comm_ms: Any) -> dict[str, Any]:
-    """Replay each rank's compute clock with modelled communication on one channel.
-
-    ``comm_ms(nbytes)`` is one collective's duration. Returns per-rank predicted wall
-    ends, the collectives' (start, end) and the prediction (max over ranks)."""
-    k = len(ranks[0]["issue"])
-    if any(len(r["issue"]) != k for r in ranks):
-        raise ValueError("ranks issued different numbers of collectives")
-    events = []
-    for r in ranks:
-        ev = [(t, 1, i) for i, t in enumerate(r["issue"])] + [(t, 0, j) for t, j in r["syncs"]]
-        events.append(sorted(ev))  # at equal times a sync goes before an issue
-    wall = [0.0] * len(ranks)
-    clock = [0.0] * len(ranks)
-    ptr = [0] * len(ranks)
-    ends: list[float] = []
-    spans = []
-
-    def advance(r: int, stop_issue: int | None) -> float | None:
-        while ptr[r] < len(events[r]):
-            t, kind, idx = events[r][ptr[r]]
-            wall[r] += t - clock[r]
-            clock[r] = t
-            ptr[r] += 1
-            if kind == 0:
-                if idx >= len(ends):
-                    raise ValueError("a wait precedes its collective's issue")
-                wall[r] = max(wall[r], ends[idx])
-            elif idx == stop_issue:
-                return wall[r]
-        return None
-
-    for i in range(k):
-        issued = [advance(r, i) for r in range(len(ranks))]
-        start = max([*issued, ends[-1] if ends else 0.0])
-        end = start + comm_ms(max(r["bytes"][i] for r in ranks))
-        ends.append(end)
-        spans.append((start, end))
-    for r in range(len(ranks)):
-        advance(r, None)
-        wall[r] += ranks[r]["total"] - clock[r]
-    return {"wall": wall, "pred_ms": max(wall), "spans": spans,
-            "comm_ms": sum(e - s for s, e in spans)}
-
-
-def analyse_job(per_rank: list[dict[str, Any]], fits: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Measured numbers and the model's predictions (one per calibration fit) for one
-    (model, mode)."""
-    times = [max(ts) for ts in zip(*(r["times_ms"] for r in per_rank))]
-    measured = statistics.median(times)
-    nsteps = min(len(r["steps"]) for r in per_rank)
-    views = [[compute_view(r["steps"][s]) for r in per_rank] for s in range(nsteps)]
-    rows = []
-    for vs in views:
-        wall = max(v["wall_ms"] for v in vs)
-        compute = max(v["total"] for v in vs)
-        b0, b1 = vs[0]["backward"]
-        row = {"profiled_wall_ms": wall, "compute_ms": compute, "exposed_measured_ms": wall - compute,
-               "blocked_ms_per_rank": [v["blocked_ms"] for v in vs], "backward_compute_ms": b1 - b0,
-               "ready_ms": [t - b0 for t in vs[0]["issue"]],
-               "ready_frac": [(t - b0) / (b1 - b0) for t in vs[0]["issue"]],
-               "bytes": vs[0]["bytes"], "measured_coll_ms": vs[0]["measured_coll_ms"]}
-        for name, f in fits.items():
-            sim = simulate(vs, lambda n, f=f: f["alpha_ms"] + f["beta_ms_per_byte"] * n)
-            row[f"pred_{name}_ms"] = sim["pred_ms"]
-            row[f"exposed_{name}_ms"] = sim["pred_ms"] - compute
-            row[f"comm_{name}_ms"] = sim["comm_ms"]
-        rows.append(row)
-
-    def med(key: str) -> float:
-        return statistics.median(r[key] for r in rows)
-
-    mid = rows[len(rows) // 2]
-    out = {
-        "measured_median_ms": measured, "measured_times_ms": times,
-        "profiled_wall_ms": med("profiled_wall_ms"), "compute_ms": med("compute_ms"),
-        "exposed_measured_ms": med("exposed_measured_ms"),
-        "backward_compute_ms": med("backward_compute_ms"),
-        "collectives": len(mid["bytes"]), "bucket_bytes": mid["bytes"],
-        "ready_ms": mid["ready_ms"], "ready_frac": mid["ready_frac"],
-        "measured_coll_ms_sum": statistics.median(sum(r["measured_coll_ms"]) for r in rows),
-        "pred": {}, "steps": rows,
-        "compute_views": [[{k: v[k] for k in ("issue", "bytes", "syncs", "total")} for v in vs]
-                          for vs in views],
-    }
-    for name in fits:
-        pred, comm, exp = med(f"pred_{name}_ms"), med(f"comm_{name}_ms"), med(f"exposed_{name}_ms")
-        out["pred"][name] = {
-            "pred_ms": pred, "error_pct": 100 * (pred - measured) / measured,
-            "error_vs_profiled_pct": 100 * (pred - out["profiled_wall_ms"]) / out["profiled_wall_ms"],
-            "exposed_ms": exp, "comm_ms": comm,
-            "overlap_pct": 100 * (1 - exp / comm) if comm else None}
-    return out
+            n = timed // profiled + (1 if i < timed % profiled else 0)
+            for r, res in zip(ranks, job.run(step.time_steps, n)):
+                r["times_ms"] += res["times_ms"]
+            for r, st, sz in zip(ranks, job.run(step.trace), sizes):
+                if len(st["colls"]) != len(sz):
+                    raise RuntimeError(f"{len(st['colls'])} collectives in a step, {len(sz)} before")
+                st["colls"] = [(s, e, b) for (s, e, _), b in zip(st["colls"], sz)]
+                r["steps"].append(st)
+        for r, mem in zip(ranks, job.run(step.measure)):
+            r["held_bytes"], r["peak_bytes"] = mem["held_bytes"], mem["peak_bytes"]
+        return ranks
+    finally:
+        job.stop()
 
 
 def run_jobs(models: list[str], modes: list[str], cal: dict[str, Any], warmup: int, timed: int,
              profiled: int, t0: float) -> dict[str, Any]:
-    from bench import cost_model as this  # pickled by module name, not as __main__
-    from ddp_fusion.launch import run_ranks
-
     jobs: dict[str, Any] = {}
     for model in models:
         for mode in modes:
@@ -448,11 +179,9 @@ def run_jobs(models: list[str], modes: list[str], cal: dict[str, Any], warmup: i
                      f"{profiled} profiled ...")
             t = time.perf_counter()
             try:
-                res = run_ranks(this.mode_worker, world_size=2,
-                                args=(model, mode, warmup, timed, profiled), timeout=1800,
-                                threads_per_rank=1, pg_timeout=900)
-                a = analyse_job(res, cal["fits"])
-            except Exception as e:  # noqa: BLE001 - one failed job must not lose the rest
+                res = run_job(model, mode, warmup, timed, profiled)
+                a = replay.analyse_job(res, cal["fits"])
+            except (JobError, RuntimeError, ValueError) as e:  # one failed job must not lose the rest
                 _log(t0, f"{key}: FAILED: {str(e).strip().splitlines()[-1][:200]}")
                 jobs[key] = {"model": model, "mode": mode, "failed": str(e)[-2000:]}
                 continue
@@ -460,7 +189,8 @@ def run_jobs(models: list[str], modes: list[str], cal: dict[str, Any], warmup: i
                      job_s=time.perf_counter() - t, peak_mb=res[0]["peak_bytes"] / 1e6,
                      held_mb=res[0]["held_bytes"] / 1e6)
             jobs[key] = a
-            preds = ", ".join(f"{n} {p['pred_ms']:.1f} ms ({p['error_pct']:+.0f}%)" for n, p in a["pred"].items())
+            preds = ", ".join(f"{n} {p['pred_ms']:.1f} ms ({p['error_pct']:+.0f}%)"
+                              for n, p in a["pred"].items())
             _log(t0, f"{key}: warm-up {a['compile_s']:.0f} s; measured {a['measured_median_ms']:.1f} ms, "
                      f"predicted: {preds}; {a['collectives']} collectives/step; job {a['job_s']:.0f} s")
     return jobs
@@ -529,7 +259,8 @@ def print_exposed(jobs: dict[str, Any]) -> None:
             within[n].append((abs(pct) <= 10, m <= 0.5 or abs(err / m) <= 0.25))
             cells += f"{j['pred'][n]['exposed_ms']:>11.1f}{err:>+8.1f}{pct:>+7.0f}{of_exposed:>7}"
         ready = ",".join(f"{100 * f:.0f}" for f in j["ready_frac"][:8])
-        print(f"{j['model']:<6}{j['mode']:<40}{m:>9.1f}{cells}{j.get('peak_mb', float('nan')):>9.1f}  {ready}")
+        peak = j.get("peak_mb", float("nan"))
+        print(f"{j['model']:<6}{j['mode']:<40}{m:>9.1f}{cells}{peak:>9.1f}  {ready}")
     for n, ok in within.items():
         if ok:
             print(f"{n} fit: exposed communication within +-10% of the step for "
@@ -538,187 +269,6 @@ def print_exposed(jobs: dict[str, Any]) -> None:
 
 
 # =========================================================================== 3. projection
-
-# Published parameters. Latencies are NCCL's own tuning constants for the Simple protocol
-# (the one large gradient buckets use), NCCL 2.20.3, src/graph/tuning.cc (baseLat, hwLat).
-PARAMS: dict[str, dict[str, Any]] = {
-    "gpus_per_node": {"value": 8, "unit": "GPUs", "source": "DGX H100 user guide: 8x H100 SXM5 per system"},
-    "B_nvlink": {"value": 450e9, "unit": "B/s per GPU per direction",
-                 "source": "NVIDIA H100 datasheet: NVLink 900 GB/s total bidirectional per "
-                           "H100 SXM GPU (NVLink 4); 450 GB/s each way. Peak, not achieved."},
-    "B_ib": {"value": 50e9, "unit": "B/s per GPU per direction",
-             "source": "DGX H100 user guide: 8x ConnectX-7, 400 Gb/s InfiniBand NDR each, one per "
-                       "GPU: 400 Gb/s = 50 GB/s. Peak, not achieved."},
-    "ring_base_lat": {"value": 8.4e-6, "unit": "s per all-reduce",
-                      "source": "NCCL 2.20.3 src/graph/tuning.cc baseLat[Ring][Simple]"},
-    "ring_nvlink_lat": {"value": 3.4e-6, "unit": "s per ring step",
-                        "source": "NCCL 2.20.3 tuning.cc hwLat[NVLink][Ring][Simple]"},
-    "ring_net_lat": {"value": 14.0e-6, "unit": "s per inter-node ring step",
-                     "source": "NCCL 2.20.3 tuning.cc hwLat[Net][Ring][Simple] (+ latencyInter, "
-                               "topology-dependent, taken as 0)"},
-    "tree_base_lat": {"value": 0.0, "unit": "s per all-reduce",
-                      "source": "NCCL 2.20.3 tuning.cc baseLat[Tree][Simple]"},
-    "tree_nvlink_lat": {"value": 28e-6, "unit": "s per tree hop",
-                        "source": "NCCL 2.20.3 tuning.cc hwLat[NVLink][Tree][Simple]"},
-    "tree_net_lat": {"value": 28e-6, "unit": "s per tree level",
-                     "source": "NCCL 2.20.3 tuning.cc hwLat[Net][Tree][Simple]"},
-    "peak_bf16": {"value": 989e12, "unit": "FLOP/s",
-                  "source": "NVIDIA H100 datasheet: H100 SXM BF16 Tensor Core 1,979 TFLOPS with "
-                            "sparsity, i.e. 989 dense"},
-    "hbm_bw": {"value": 3.35e12, "unit": "B/s",
-               "source": "NVIDIA H100 datasheet: H100 SXM 3.35 TB/s HBM3"},
-    "mfu": {"value": 0.40, "unit": "fraction of peak_bf16",
-            "source": "ASSUMPTION (typical well-tuned GPT training; sensitivity shown)"},
-    "tokens_per_gpu": {"value": 8 * 1024, "unit": "tokens per step per GPU",
-                       "source": "ASSUMPTION: micro-batch 8 x sequence 1024, no accumulation"},
-}
-GPU_COUNTS = (8, 16, 64, 256, 1024)
-BUCKET_CAPS = (1 << 20, 25 << 20)  # torch DDP: 1 MiB first bucket, then 25 MiB
-
-
-def gpt2_small_grads() -> list[tuple[str, int, float]]:
-    """``(name, numel, ready fraction of backward)`` in gradient-ready order for GPT-2 small
-    (vocab 50257, context 1024, d 768, 12 layers, LM head tied to the token embedding).
-
-    Backward FLOPs of a tensor = 4 * numel * tokens (the backward 2/3 of 6 * N * tokens;
-    attention-score FLOPs are ignored); layers run in reverse. The tied head's matmul
-    backward runs first, but the shared weight's gradient is complete (ready) only after
-    the embedding backward at the very end."""
-    v, ctx, d, layers = 50257, 1024, 768, 12
-    order: list[tuple[str, int, bool]] = [("head(wte)", v * d, False), ("ln_f.weight", d, True),
-                                          ("ln_f.bias", d, True)]
-    for i in reversed(range(layers)):
-        p = f"h.{i}."
-        order += [(p + "mlp.c_proj.weight", 4 * d * d, True), (p + "mlp.c_proj.bias", d, True),
-                  (p + "mlp.c_fc.weight", 4 * d * d, True), (p + "mlp.c_fc.bias", 4 * d, True),
-                  (p + "ln_2.weight", d, True), (p + "ln_2.bias", d, True),
-                  (p + "attn.c_proj.weight", d * d, True), (p + "attn.c_proj.bias", d, True),
-                  (p + "attn.c_attn.weight", 3 * d * d, True), (p + "attn.c_attn.bias", 3 * d, True),
-                  (p + "ln_1.weight", d, True), (p + "ln_1.bias", d, True)]
-    order += [("wpe", ctx * d, True), ("wte", 0, True)]
-    total = sum(n for _, n, _ in order)
-    out, cum = [], 0
-    for name, n, is_grad in order:
-        cum += n
-        if is_grad:
-            out.append((name, v * d if name == "wte" else n, cum / total))
-    return out
-
-
-def ddp_buckets(grads: list[tuple[str, int, float]], caps: tuple[int, ...]) -> list[tuple[int, float]]:
-    """``(bytes, ready fraction)`` per bucket: fp32 gradients in ready order, a bucket
-    closes once it reaches the current cap (torch DDP's rule; the last cap repeats)."""
-    buckets, cur, ready = [], 0, 0.0
-    for _, n, r in grads:
-        cur += 4 * n
-        ready = r
-        if cur >= caps[min(len(buckets), len(caps) - 1)]:
-            buckets.append((cur, ready))
-            cur = 0
-    if cur:
-        buckets.append((cur, ready))
-    return buckets
-
-
-def nccl_allreduce_s(nbytes: float, p: int, prm: dict[str, float], lat_scale: float = 1.0,
-                     bw_scale: float = 1.0) -> tuple[float, str]:
-    """Modelled NCCL all-reduce time and the algorithm (ring or tree, whichever is
-    faster, as NCCL's tuner picks). Bandwidth term 2(p-1)/p * n / B with B the slowest
-    link (NVLink inside a node, the NIC once p > 8) for both; latency terms as NCCL's
-    tuning.cc: ring base + (2(p-1) - 2N) intra steps + 2N inter steps, tree
-    2((ppn-1) intra + log2(N) inter), N nodes (N > 1)."""
-    if p <= 1:
-        return 0.0, "-"
-    g = prm["gpus_per_node"]
-    nodes = max(1, math.ceil(p / g))
-    ppn = min(p, g)
-    b = (prm["B_nvlink"] if nodes == 1 else prm["B_ib"]) * bw_scale
-    bw = 2 * (p - 1) / p * nbytes / b
-    inter = 2 * nodes if nodes > 1 else 0
-    ring = prm["ring_base_lat"] + (2 * (p - 1) - inter) * prm["ring_nvlink_lat"] + inter * prm["ring_net_lat"]
-    tree = prm["tree_base_lat"] + 2 * ((ppn - 1) * prm["tree_nvlink_lat"] +
-                                       math.log2(nodes) * prm["tree_net_lat"])
-    ring, tree = ring * lat_scale, tree * lat_scale
-    return (ring + bw, "ring") if ring <= tree else (tree + bw, "tree")
-
-
-def project_one(msgs: list[tuple[int, float]], p: int, prm: dict[str, float], fwd: float, bwd: float,
-                opt: float, blocking: bool = False, **scale: float) -> dict[str, Any]:
-    """Step on ``p`` GPUs: collectives ``(bytes, ready fraction of backward)`` in order on
-    one stream, waits at the end of backward (``blocking``: each collective is waited
-    for at once, stalling compute)."""
-    end, algos, total, stall = 0.0, set(), 0.0, 0.0
-    for nbytes, frac in msgs:
-        d, algo = nccl_allreduce_s(nbytes, p, prm, **scale)
-        algos.add(algo)
-        total += d
-        if blocking:
-            stall += d
-        else:
-            end = max(end, frac * bwd) + d
-    exposed = stall if blocking else max(0.0, end - bwd)
-    return {"step_ms": 1e3 * (fwd + bwd + exposed + opt), "exposed_ms": 1e3 * exposed,
-            "comm_ms": 1e3 * total, "overlap_pct": 100 * (1 - exposed / total) if total else 100.0,
-            "algo": "/".join(sorted(algos))}
-
-
-def projection(mfu: float | None = None) -> dict[str, Any]:
-    prm = {k: v["value"] for k, v in PARAMS.items()}
-    if mfu is not None:
-        prm["mfu"] = mfu
-    grads = gpt2_small_grads()
-    n_params = sum(n for _, n, _ in grads)
-    flops = 6 * n_params * prm["tokens_per_gpu"]
-    compute = flops / (prm["mfu"] * prm["peak_bf16"])
-    fwd, bwd = compute / 3, 2 * compute / 3
-    opt = 12 * n_params / prm["hbm_bw"]  # SGD as in the benchmark: read p, g; write p (fp32)
-    variants = {
-        "unfused (1 all-reduce per gradient)": [(4 * n, r) for _, n, r in grads],
-        "DDP buckets (eager DDP = ddp_fusion)": ddp_buckets(grads, BUCKET_CAPS),
-        "one bucket at the end": [(4 * n_params, 1.0)],
-    }
-    tables: dict[str, Any] = {}
-    for name, msgs in variants.items():
-        tables[name] = {p: project_one(msgs, p, prm, fwd, bwd, opt) for p in GPU_COUNTS}
-    tables["unfused, each wait right after its all-reduce"] = {
-        p: project_one(variants["unfused (1 all-reduce per gradient)"], p, prm, fwd, bwd, opt,
-                       blocking=True) for p in GPU_COUNTS}
-    sens = []
-    for label, kw in (("latency x0.5", {"lat_scale": 0.5}), ("latency x1", {}),
-                      ("latency x2", {"lat_scale": 2.0}), ("latency x4", {"lat_scale": 4.0}),
-                      ("bandwidth x0.7 (achieved vs peak)", {"bw_scale": 0.7})):
-        for p in (16, 1024):
-            sens.append({"case": label, "gpus": p, **{
-                name: project_one(variants[name], p, prm, fwd, bwd, opt, **kw)
-                for name in variants}})
-    mfu_sens = []
-    for m in (0.2, 0.4, 0.6):
-        c = flops / (m * prm["peak_bf16"])
-        for p in (16, 1024):
-            mfu_sens.append({"mfu": m, "gpus": p, "compute_ms": 1e3 * c, **{
-                name: project_one(variants[name], p, prm, c / 3, 2 * c / 3, opt)
-                for name in variants}})
-    cap_sens = []
-    for cap_mib in (5, 25, 100, 250):
-        msgs = ddp_buckets(grads, (1 << 20, cap_mib << 20))
-        for p in (16, 1024):
-            cap_sens.append({"cap_mib": cap_mib, "gpus": p, "buckets": len(msgs),
-                             **project_one(msgs, p, prm, fwd, bwd, opt)})
-    buckets = variants["DDP buckets (eager DDP = ddp_fusion)"]
-    return {
-        "config": {"model": "GPT-2 small (vocab 50257, ctx 1024, d 768, 12 layers, tied head)",
-                   "params": n_params, "grad_bytes": 4 * n_params, "tensors": len(grads),
-                   "flops_per_step": flops, "forward_ms": 1e3 * fwd, "backward_ms": 1e3 * bwd,
-                   "optimizer_ms": 1e3 * opt, "buckets": [{"bytes": b, "ready_frac": r} for b, r in buckets],
-                   "bucket_caps": list(BUCKET_CAPS)},
-        "params": PARAMS, "tables": {k: {str(p): v for p, v in t.items()} for k, t in tables.items()},
-        "latency_bandwidth_sensitivity": sens, "mfu_sensitivity": mfu_sens,
-        "bucket_cap_sensitivity": cap_sens,
-        "allreduce_examples": [
-            {"gpus": p, "bytes": n, "ms": 1e3 * nccl_allreduce_s(n, p, prm)[0],
-             "algo": nccl_allreduce_s(n, p, prm)[1]}
-            for p in GPU_COUNTS for n in (4 * 768, 25 << 20, 4 * n_params)],
-    }
 
 
 def print_projection(pj: dict[str, Any], cal: dict[str, Any] | None) -> None:
@@ -771,7 +321,8 @@ def print_projection(pj: dict[str, Any], cal: dict[str, Any] | None) -> None:
         label = "MFU %.0f%% (compute %.1f ms)" % (100 * row["mfu"], row["compute_ms"])
         print(f"{label:<36}{row['gpus']:>6}" + cells(row))
     print("\n-- DDP bucket cap (first bucket 1 MiB) --")
-    print(f"{'cap MiB':>8}{'buckets':>9}{'GPUs':>6}{'step ms':>10}{'exposed ms':>12}{'comm ms':>10}{'overlap':>9}")
+    print(f"{'cap MiB':>8}{'buckets':>9}{'GPUs':>6}{'step ms':>10}{'exposed ms':>12}{'comm ms':>10}"
+          f"{'overlap':>9}")
     for r in pj["bucket_cap_sensitivity"]:
         print(f"{r['cap_mib']:>8}{r['buckets']:>9}{r['gpus']:>6}{r['step_ms']:>10.2f}{r['exposed_ms']:>12.2f}"
               f"{r['comm_ms']:>10.2f}{r['overlap_pct']:>8.0f}%")
@@ -780,8 +331,9 @@ def print_projection(pj: dict[str, Any], cal: dict[str, Any] | None) -> None:
 # =========================================================================== main
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.cost_model", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.cost_model",
+                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--model", choices=("mlp", "gpt", "all"), default="all")
     parser.add_argument("--modes", default=None,
                         help=f"comma-separated modes of bench.step_time (default {','.join(MODES)})")
@@ -794,13 +346,12 @@ def main() -> None:
                         help="TORCHINDUCTOR_CACHE_DIR for the ranks")
     parser.add_argument("--projection-only", action="store_true")
     parser.add_argument("--out", default=os.path.join(OUT_DIR, "cost_model.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
     os.makedirs(OUT_DIR, exist_ok=True)
-    meta: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                            "load_avg_start": os.getloadavg(), "quick": args.quick}
+    meta: dict[str, Any] = {**provenance(), "quick": args.quick}
+    meta["load_avg_start"] = meta.pop("load_average")
     result: dict[str, Any] = {"meta": meta}
     if args.projection_only:
         cal = None
@@ -809,16 +360,14 @@ def main() -> None:
                 old = json.load(f)
             result.update({k: v for k, v in old.items() if k in ("calibration", "jobs")})
             cal = old.get("calibration")
-        pj = projection()
+        pj = projection.projection()
         result["projection"] = pj
         print_projection(pj, cal)
     else:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir
         models = ["mlp", "gpt"] if args.model == "all" else [args.model]
         modes = args.modes.split(",") if args.modes else list(QUICK_MODES if args.quick else MODES)
-        from bench._step_time_worker import all_modes
-
-        known = [m for m, mode in all_modes().items() if not m == "comm_only"]
+        known = [m for m in all_modes() if m != "comm_only"]
         bad = [m for m in modes if m not in known]
         if bad:
             parser.error(f"unknown modes {bad}; known: {known}")
@@ -836,7 +385,7 @@ def main() -> None:
         jobs = run_jobs(models, modes, cal, args.warmup, timed, profiled, t0)
         result["jobs"] = jobs
         print_jobs(jobs)
-        pj = projection()
+        pj = projection.projection()
         result["projection"] = pj
         print_projection(pj, cal)
     meta["load_avg_end"] = os.getloadavg()

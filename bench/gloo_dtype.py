@@ -11,40 +11,29 @@ the time. This measures whether gloo on this machine agrees: ``dist.all_reduce``
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
-from bench.cost_model import all_reduce_times
+from bench._lib import comm
 from ddp_fusion.launch import run_ranks
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NUMELS = (262_144, 1_310_720)
 
 
-def _job(rank: int, world_size: int, reps: int) -> dict[tuple[int, str], float]:
-    out = {}
-    for numel in NUMELS:
-        for dtype in DTYPES:
-            times = all_reduce_times(torch.ones(numel, dtype=dtype), reps, warmup=5)
-            out[numel, str(dtype)] = statistics.median(times)
-    return out
-
-
-def main() -> None:
-    from bench import gloo_dtype as this  # pickled by module name, not as __main__
-
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.gloo_dtype", description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=40)
-    args = parser.parse_args()
-    ranks = run_ranks(this._job, world_size=2, args=(args.reps,))
-    print(f"bench.gloo_dtype: torch {torch.__version__}, 2 gloo ranks, median of {args.reps} calls, max over ranks")
+    args = parser.parse_args(argv)
+    ranks = run_ranks(comm.dtype_times, world_size=2, args=(NUMELS, DTYPES, args.reps), threads_per_rank=1)
+    print(f"bench.gloo_dtype: torch {torch.__version__}, 2 gloo ranks, median of {args.reps} calls, "
+          "max over ranks")
     print(f"{'elements':>10}{'dtype':>16}{'MB':>8}{'ms':>8}{'ms / fp32 ms':>14}")
     for numel in NUMELS:
         fp32 = max(r[numel, str(torch.float32)] for r in ranks)
         for dtype in DTYPES:
             ms = max(r[numel, str(dtype)] for r in ranks)
-            mb = numel * torch.empty(0, dtype=dtype).element_size() / 1e6
+            mb = numel * dtype.itemsize / 1e6
             print(f"{numel:>10,}{str(dtype):>16}{mb:>8.2f}{ms:>8.3f}{ms / fp32:>14.2f}")
 
 

@@ -8,11 +8,12 @@ all-reduces in different orders, and the collectives do not match (a hang until 
 process-group timeout, or gloo's size-mismatch error). ddp_fusion calls each bucket's
 hook only once the previous bucket's future has completed (ddp_fusion/comm_hooks.py).
 
-Each trial: 2 fresh gloo ranks, the 3-layer MLP of tests/_workers_hooks.py (3 buckets of
-1 MiB at ``bucket_cap_mb=0.25``), ``powerSGD_hook`` (rank 1, compression from step 2),
-``--steps`` SGD steps, process-group timeout ``--pg-timeout`` s. A trial still running
-``3 * pg-timeout + 60`` s after it started is killed and reported as not finished (eager
-torch DDP was seen to hang well past its process-group timeout).
+Each trial (``bench/_lib/probes.py``): 2 fresh gloo ranks, the 3-layer MLP of
+tests/_workers_hooks.py (3 buckets of 1 MiB at ``bucket_cap_mb=0.25``), ``powerSGD_hook``
+(rank 1, compression from step 2), ``--steps`` SGD steps, process-group timeout
+``--pg-timeout`` s. A trial still running ``3 * pg-timeout + 60`` s after it started is
+killed and reported as not finished (eager torch DDP was seen to hang well past its
+process-group timeout).
 
     python -m bench.hook_order                 # 3 trials per mode
     python -m bench.hook_order --trials 5 --modes eager_ddp
@@ -27,45 +28,19 @@ import time
 
 import torch
 
+from bench._lib import probes
+from ddp_fusion.launch import run_ranks
+
 MODES = ("eager_ddp", "ddp_fusion_uncompiled", "ddp_fusion_compiled")
 
 
-def _trial(rank: int, world_size: int, mode: str, steps: int) -> int:
-    import ddp_fusion
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-    torch.manual_seed(0)
-    width = 512
-    net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(),
-                              torch.nn.Linear(width, width), torch.nn.Tanh(),
-                              torch.nn.Linear(width, width))
-    state = psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-    with ddp_fusion.config.patch(enabled=mode == "ddp_fusion_compiled"):
-        if mode == "eager_ddp":
-            model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.25)
-        else:
-            model = ddp_fusion.DistributedDataParallel(net, bucket_cap_mb=0.25)
-        model.register_comm_hook(state, psgd.powerSGD_hook)
-        run = torch.compile(model) if mode == "ddp_fusion_compiled" else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        gen = torch.Generator().manual_seed(rank)
-        for _ in range(steps):
-            opt.zero_grad()
-            run(torch.randn(16, width, generator=gen)).square().mean().backward()
-            opt.step()
-    return steps
-
-
-def main() -> None:
-    from bench import hook_order as this  # pickled by module name, not as __main__
-    from ddp_fusion.launch import run_ranks
-
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.hook_order", description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--pg-timeout", type=float, default=30.0)
     parser.add_argument("--modes", default=",".join(MODES))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"bench.hook_order: torch {torch.__version__}, 2 gloo ranks, powerSGD_hook on 3 buckets, "
           f"{args.steps} steps, process-group timeout {args.pg_timeout:g} s", flush=True)
     summary = {}
@@ -74,11 +49,11 @@ def main() -> None:
         for trial in range(args.trials):
             t = time.perf_counter()
             try:
-                run_ranks(this._trial, world_size=2, args=(mode, args.steps), timeout=args.pg_timeout * 3 + 60,
-                          pg_timeout=args.pg_timeout)
+                run_ranks(probes.powersgd_trial, world_size=2, args=(mode, args.steps),
+                          timeout=args.pg_timeout * 3 + 60, pg_timeout=args.pg_timeout)
                 outcome = "ok"
                 ok += 1
-            except Exception as e:  # noqa: BLE001 - what failed is the result
+            except RuntimeError as e:  # what failed is the result
                 lines = [ln.strip() for ln in str(e).splitlines() if "Error" in ln]
                 outcome = "FAILED: " + (lines[-1][:160] if lines else str(e).splitlines()[0][:160])
             print(f"{mode:<24} trial {trial + 1}: {outcome} ({time.perf_counter() - t:.0f} s)", flush=True)

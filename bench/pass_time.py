@@ -31,24 +31,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
-import subprocess
-import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as fcol
-from torch._guards import detect_fake_mode
-from torch._inductor.fx_passes.ddp_fusion import fuse_ddp_with_concat_op
-from torch._inductor.virtualized import V
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 import ddp_fusion
+from bench._lib import _torch
+from bench._lib.record import provenance, write_json
 from ddp_fusion.passes import fuse_ddp_allreduces
 
 SHAPE = (1024, 1024)  # 1M fp32 elements = 4 MB per gradient
@@ -56,14 +49,11 @@ DEFAULT_SIZES = (100, 200, 400, 800, 1600, 3200)
 QUICK_SIZES = (100, 200, 400)
 UPSTREAM_BUCKET_MB = 25
 SLOW_S = 10.0  # a measurement slower than this is not repeated
-OUT_PATH = os.path.join(os.path.dirname(__file__), "out", "pass_time.json")
-
-C10D = torch.ops._c10d_functional
 COLLECTIVES = {
-    C10D.all_reduce.default,
-    C10D.all_reduce_.default,
-    C10D.all_reduce_coalesced.default,
-    C10D.all_reduce_coalesced_.default,
+    _torch.C10D.all_reduce.default,
+    _torch.C10D.all_reduce_.default,
+    _torch.C10D.all_reduce_coalesced.default,
+    _torch.C10D.all_reduce_coalesced_.default,
     torch.ops.ddp_fusion.all_reduce_gradient.default,
 }
 
@@ -93,12 +83,9 @@ def ours_graph(n: int) -> torch.fx.GraphModule:
 
 def upstream_graph(n: int) -> torch.fx.GraphModule:
     group = dist.group.WORLD
-    fn = backward_like(n, lambda g, i: fcol.all_reduce(g / 2, "sum", group))
+    fn = backward_like(n, lambda g, i: _torch.functional_all_reduce(g / 2, "sum", group))
     gm = make_fx(fn, tracing_mode="fake")(torch.empty(SHAPE))
-    for node in gm.graph.nodes:  # upstream reads tensor_meta; make_fx usually sets it
-        val = node.meta.get("val")
-        if "tensor_meta" not in node.meta and isinstance(val, torch.Tensor):
-            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    _torch.add_tensor_meta(gm)  # upstream reads tensor_meta; make_fx usually sets it
     return gm
 
 
@@ -117,10 +104,7 @@ def run_ours(algorithm: str) -> Callable[[torch.fx.GraphModule], None]:
 
 
 def run_upstream(gm: torch.fx.GraphModule) -> None:
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
-    assert fake_mode is not None, "no fake tensors in the traced graph"
-    with V.set_fake_mode(fake_mode):
-        fuse_ddp_with_concat_op(gm.graph, UPSTREAM_BUCKET_MB)
+    _torch.upstream_concat_fusion(gm, UPSTREAM_BUCKET_MB)
 
 
 def measure(label: str, n: int, trace, run_pass, repeats: int) -> dict:
@@ -152,17 +136,6 @@ def measure(label: str, n: int, trace, run_pass, repeats: int) -> dict:
 
 
 # --- report ---------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def fmt(value, spec: str) -> str:
@@ -202,24 +175,6 @@ def growth(rows: list[dict]) -> dict:
     return ratios
 
 
-def provenance() -> dict:
-    """Which ddp_fusion was measured: its path and, if it is this checkout's, the git
-    commit and whether ddp_fusion/ had uncommitted changes."""
-    path = os.path.dirname(os.path.abspath(ddp_fusion.__file__))
-    repo = os.path.dirname(path)
-    info = {"ddp_fusion_path": path}
-
-    def git(*cmd):
-        return subprocess.run(["git", "-C", repo, *cmd], capture_output=True, text=True)
-
-    head = git("rev-parse", "--short", "HEAD")
-    if head.returncode == 0:
-        info["git_head"] = head.stdout.strip()
-        info["ddp_fusion_uncommitted_changes"] = bool(
-            git("status", "--porcelain", "--", "ddp_fusion").stdout.strip())
-    return info
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
@@ -230,19 +185,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="runs per measurement, best kept (runs over 10 s: 1)")
     parser.add_argument("--skip-upstream-above", type=int, default=3200, metavar="N",
                         help="do not run upstream's pass for graphs of more than N gradients")
-    parser.add_argument("--out", default=OUT_PATH, help="JSON output path")
+    parser.add_argument("--out", default="pass_time.json", help="JSON output (relative: under bench/out/)")
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else tuple(int(s) for s in args.sizes.split(","))
 
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=ddp_fusion._torch.distributed.fake_store(),
-                                rank=0, world_size=2)
+        dist.init_process_group("fake", store=_torch.fake_store(), rank=0, world_size=2)
 
-    source = provenance()
+    source = provenance(argv)
     load_before = os.getloadavg()
-    print(f"torch {torch.__version__}, {cpu_model()}, {os.cpu_count()} CPUs, "
-          f"load average {load_before[0]:.2f}; {SHAPE[0]}x{SHAPE[1]} fp32 gradients (4 MB), "
-          f"best of {args.repeats}; ddp_fusion from {source}", flush=True)
+    print(f"torch {torch.__version__}, {source['machine']}, load average {load_before[0]:.2f}; "
+          f"{SHAPE[0]}x{SHAPE[1]} fp32 gradients (4 MB), best of {args.repeats}; ddp_fusion at "
+          f"{source.get('git_head')} (uncommitted changes: {source.get('uncommitted')})", flush=True)
     # The first call of each pass pays one-time costs (imports, fake-tensor caches, ~1 s);
     # pay them on a small graph so that they are not counted in any measurement.
     run_ours("concat")(ours_graph(8))
@@ -280,23 +234,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"on {os.cpu_count()} CPUs")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({
-            "command": " ".join([os.path.basename(sys.executable), "-m", "bench.pass_time",
-                                 *(sys.argv[1:] if argv is None else argv)]),
-            "torch": torch.__version__,
-            "cpu": cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "load_average_1min": {"before": load_before[0], "after": load_after[0]},
-            **source,
-            "gradient_shape": list(SHAPE),
-            "upstream_bucket_mb": UPSTREAM_BUCKET_MB,
-            "repeats": args.repeats,
-            "rows": rows,
-            "growth": ratios,
-        }, f, indent=2)
-    print(f"\nwrote {args.out}")
+    path = write_json(args.out, {
+        **source,
+        "load_average_1min": {"before": load_before[0], "after": load_after[0]},
+        "ddp_fusion_path": os.path.dirname(os.path.abspath(ddp_fusion.__file__)),
+        "gradient_shape": list(SHAPE),
+        "upstream_bucket_mb": UPSTREAM_BUCKET_MB,
+        "repeats": args.repeats,
+        "rows": rows,
+        "growth": ratios,
+    })
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ refused with a clear message where there is none, and that its bookkeeping is ri
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,34 +14,34 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import ddp_fusion
 from bench import step_time
-from bench._step_time_worker import _graph_stats, model_info
+from bench._lib.models import model_info, world_size
+from bench._lib.profiling import graph_stats
 from ddp_fusion.passes import fuse_ddp_allreduces
 
 
-def _main(monkeypatch, *argv):
-    monkeypatch.setattr(sys, "argv", ["python -m bench.step_time", *argv])
-    step_time.main()
+def _main(*argv):
+    step_time.main(list(argv))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
-def test_cuda_without_a_gpu_is_refused_by_name(monkeypatch, capsys):
+def test_cuda_without_a_gpu_is_refused_by_name(capsys):
     with pytest.raises(SystemExit) as e:
-        _main(monkeypatch, "--device", "cuda")
+        _main("--device", "cuda")
     assert e.value.code == 2
     assert "--device cuda: no CUDA device" in capsys.readouterr().err
 
 
-def test_unknown_mode_is_refused_with_the_known_ones(monkeypatch, capsys):
+def test_unknown_mode_is_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit):
-        _main(monkeypatch, "--modes", "eager_ddp,ddp_fusion_concatt")
+        _main("--modes", "eager_ddp,ddp_fusion_concatt")
     err = capsys.readouterr().err
     assert "ddp_fusion_concatt" in err and "ddp_fusion_coalesced" in err
 
 
 def test_world_sizes():
-    assert step_time.world_size("mlp", "cpu") == 2
-    assert step_time.world_size("mlp_tp", "cpu") == 4
-    assert step_time.world_size("gpt", "cuda") == 1
+    assert world_size("mlp", "cpu") == 2
+    assert world_size("mlp_tp", "cpu") == 4
+    assert world_size("gpt", "cuda") == 1
 
 
 def test_dp_x_tp_model_holds_tp_shards():
@@ -60,18 +58,19 @@ def test_graph_stats_count_the_bucket_copy(fake_pg):
                 ddp_fusion.all_reduce_gradient(g2, dist.group.WORLD, name="w2"))
 
     gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4), torch.randn(6))
-    assert _graph_stats(gm.graph) == {"collectives": 2, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 0,
+    assert graph_stats(gm.graph) == {"collectives": 2, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 0,
                                       "copy_back_bytes": 0}
     fuse_ddp_allreduces(gm.graph, algorithm="concat")
-    assert _graph_stats(gm.graph) == {"collectives": 1, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 4 * 22,
+    assert graph_stats(gm.graph) == {"collectives": 1, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 4 * 22,
                                       "copy_back_bytes": 0}
 
 
 def test_graph_stats_count_a_copy_back(fake_pg):
-    """A reduced gradient copied into the old ``.grad`` (ddp_fusion before issue 15)."""
+    """A reduced gradient copied into the old ``.grad`` (as ddp_fusion's graphs did before
+    the reduced buckets became the ``.grad``s)."""
     def backward(grad, w1):
         return grad.copy_(ddp_fusion.all_reduce_gradient(w1 * 2, dist.group.WORLD, name="w1"))
 
     gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
     fuse_ddp_allreduces(gm.graph, algorithm="concat")
-    assert _graph_stats(gm.graph)["copy_back_bytes"] == 4 * 16
+    assert graph_stats(gm.graph)["copy_back_bytes"] == 4 * 16

@@ -1,0 +1,120 @@
+"""Rank functions of the small one-question commands.
+
+* :func:`plan_check_calls`, :func:`plan_check_step` (``bench.plan_check``): the per-step
+  cross-rank plan check (``plan_check_start`` + ``plan_guard``) back to back next to a
+  bare all-gather of the same size; the demo MLP's fused step with and without it;
+* :func:`powersgd_trial` (``bench.hook_order``): PowerSGD on several buckets, eager torch
+  DDP or ddp_fusion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import unittest.mock
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddp_fusion
+from ddp_fusion import plan_check
+from ddp_fusion.plan import BucketPlan, PlannedBucket
+
+
+def _time(fn: Callable[[], object], calls: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def plan_check_calls(rank: int, world_size: int, calls: int, rounds: int) -> dict[str, list[float]]:
+    """Microseconds per call, per round: a bare all-gather of one int64 per rank, and
+    ``plan_check_start`` + ``plan_guard`` of a one-bucket plan."""
+    group = dist.group.WORLD
+    name = group.group_name
+    bucket = PlannedBucket(name, torch.float32, "cpu", "avg", "concat", ("w",), (1024,))
+    text = BucketPlan("concat", (bucket,)).to_json()
+    cpu = torch.device("cpu")
+    one, everyone = torch.zeros(1, dtype=torch.int64), torch.zeros(world_size, dtype=torch.int64)
+    modes = {
+        "bare all_gather of 1 int64 per rank": lambda: dist.all_gather_into_tensor(everyone, one),
+        "plan_check_start + plan_guard, back to back": lambda: plan_check.PLAN_GUARD(
+            plan_check.PLAN_CHECK_START(name, text, cpu), name, text, "avg", cpu),
+    }
+    for fn in modes.values():  # warm up
+        _time(fn, 50)
+    out: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for m, fn in modes.items():
+            out[m].append(_time(fn, calls))
+    return out
+
+
+def _demo_mlp(width: int = 512, depth: int = 8) -> nn.Module:
+    """The demo's model (``python -m ddp_fusion``): ``depth`` x (Linear + GELU)."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())))
+
+
+def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Median step ms per round of the demo MLP, fused and compiled, with the plan check
+    and with its exchange patched out (``plan_check.has_peers`` false: no all-gather,
+    no comparison), alternating per round on the same compiled model."""
+    with ddp_fusion.config.patch(enabled=True):
+        model = torch.compile(ddp_fusion.DistributedDataParallel(_demo_mlp()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(64, 512)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+            opt.step()
+
+        for _ in range(3):  # compiles
+            step()
+        out: dict[str, list[float]] = {"with check": [], "check patched out": []}
+        for _ in range(rounds):
+            for mode in out:
+                patch = (contextlib.nullcontext() if mode == "with check"
+                         else unittest.mock.patch.object(plan_check, "has_peers", lambda group: False))
+                with patch:
+                    times = []
+                    for _ in range(steps):
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        step()
+                        times.append((time.perf_counter() - t0) * 1e3)
+                out[mode].append(statistics.median(times))
+    return out
+
+
+def powersgd_trial(rank: int, world_size: int, mode: str, steps: int) -> int:
+    """``steps`` SGD steps of a 3-layer MLP (3 buckets of 1 MiB at ``bucket_cap_mb=0.25``)
+    with ``powerSGD_hook`` (rank 1, compression from step 2); ``mode``: ``eager_ddp``,
+    ``ddp_fusion_uncompiled`` or ``ddp_fusion_compiled``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    torch.manual_seed(0)
+    width = 512
+    net = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                        nn.Linear(width, width))
+    state = psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    with ddp_fusion.config.patch(enabled=mode == "ddp_fusion_compiled"):
+        if mode == "eager_ddp":
+            model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.25)
+        else:
+            model = ddp_fusion.DistributedDataParallel(net, bucket_cap_mb=0.25)
+        model.register_comm_hook(state, psgd.powerSGD_hook)
+        run = torch.compile(model) if mode == "ddp_fusion_compiled" else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            opt.zero_grad()
+            run(torch.randn(16, width, generator=gen)).square().mean().backward()
+            opt.step()
+    return steps

@@ -1,0 +1,135 @@
+"""Tables and plots of ``bench.step_time``'s job records (:func:`bench._lib.jobs.records`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench._lib.modes import AOT_FLOOR, COMM_FLOOR, FLOORS
+
+SWEEP_MODES = ("eager_ddp", "ddp_fusion_concat", "ddp_fusion_coalesced")
+
+
+def _rows(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> list[dict[str, Any]]:
+    return [j for j in jobs.values() if j["model"] == model and (j["cap"] == cap or j["mode"] in FLOORS)]
+
+
+def fmt_collectives(c: dict[str, int]) -> str:
+    if not c:
+        return "0"
+    main = sum(v for k, v in c.items() if k.endswith(":all_reduce"))
+    rest = {k.split(":", 1)[1]: v for k, v in c.items() if not k.endswith(":all_reduce")}
+    s = str(main)
+    if rest:
+        s += " + " + ", ".join(f"{v} {k}" for k, v in sorted(rest.items()))
+    return s
+
+
+def step_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[str, dict[str, Any]]:
+    """Step time per mode for one model at one cap (floors are cap-independent); lower
+    bound = max(compute_only, comm_only), efficiency = bound / median."""
+    rows = _rows(model, jobs, cap)
+    floors = {j["mode"]: j.get("median_ms") for j in rows if j["mode"] in FLOORS}
+    bound = None
+    if floors.get(AOT_FLOOR) is not None and floors.get(COMM_FLOOR) is not None:
+        bound = max(floors[AOT_FLOOR], floors[COMM_FLOOR])
+    eager = next((j.get("median_ms") for j in rows if j["mode"] == "eager_ddp"), None)
+    head = (f"{'mode':<38}{'median ms':>10}{'p10-p90 ms':>16}{'min-max ms':>16}{'eff.':>6}"
+            f"{'x eager':>8}{'all-reduces/step':>22}{'compile s':>10}{'max |dp| vs ref':>19}")
+    lines = [head, "-" * len(head)]
+    summary: dict[str, Any] = {"bound_ms": bound, "floors": floors, "rows": {}}
+    for j in rows:
+        name = j["mode"]
+        if "median_ms" not in j:
+            lines.append(f"{name:<38}failed: {j.get('failed', 'no result')}")
+            summary["rows"][name] = {"failed": j.get("failed", "no result")}
+            continue
+        eff = bound / j["median_ms"] if bound else None
+        rel = j["median_ms"] / eager if eager else None
+        diff = j.get("max_param_diff")
+        recomp = any(v for rc in j["recompiles_during_timing"] for v in rc.values())
+        unfused = sum(v for c in j.get("counters", []) for k, v in c["ddp_fusion"].items()
+                      if k.startswith("unfused"))
+        lines.append(
+            f"{name:<38}{j['median_ms']:>10.2f}{j['p10_ms']:>8.2f}-{j['p90_ms']:<7.2f}"
+            f"{j['min_ms']:>8.2f}-{j['max_ms']:<7.2f}"
+            f"{(f'{eff:.2f}' if eff else '-'):>6}{(f'{rel:.2f}' if rel else '-'):>8}"
+            f"{fmt_collectives(j.get('collectives', {})):>22}{j.get('compile_s', float('nan')):>10.1f}"
+            f"{(f'{diff:.2e}' if diff is not None else 'n/a'):>19}"
+            + ("  (recompiled while timed!)" if recomp else "")
+            + (f"  ({unfused} ddp_fusion unfused events!)" if unfused else "")
+            + (f"  (failed later: {j['failed']})" if j.get("failed") else ""))
+        summary["rows"][name] = {"median_ms": j["median_ms"], "efficiency": eff, "x_eager": rel}
+    if bound:
+        lines.append(f"lower bound = max({AOT_FLOOR}, {COMM_FLOOR}) = {bound:.2f} ms")
+    return "\n".join(lines), summary
+
+
+def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: str) -> str:
+    """Collectives, bytes and memory per step (rank 0; one profiled step; MB = 1e6 bytes).
+
+    * on wire: bytes handed to the backend's all-reduces (with a comm hook, its
+      ``dist.all_reduce`` calls from any thread);
+    * copy in / copy back: in the lowered backward graph (compiled modes), bytes written
+      by ``cat`` nodes feeding a collective (the copy into a fused bucket; an upper
+      bound), and by ``copy_`` nodes whose source is a collective's result;
+    * eager copies: ``aten::copy_`` / ``aten::cat`` calls not inside another aten op
+      (torch DDP's reducer, gloo flattening a coalesced all-reduce);
+    * held: bytes kept between steps; peak: held + the most allocated during the step.
+    """
+    cuda = device == "cuda"
+    head = (f"{'mode':<38}{'all-reduces':>12}{'MB on wire':>12}{'MB copy in':>11}{'MB copy back':>13}"
+            f"{'MB eager copies':>17}{'held MB':>9}{'peak MB':>9}" + (f"{'kernels':>9}" if cuda else ""))
+    lines = [head, "-" * len(head)]
+    for j in _rows(model, jobs, cap):
+        if "profile" not in j:
+            continue
+        prof = j["profile"][0]
+        graph = prof.get("graph")
+        n, wire = sum(prof["collectives"].values()), prof["bytes_reduced"]
+        if prof.get("python_all_reduces"):  # a comm hook's: all of them, from any thread
+            n = prof["python_all_reduces"] + sum(v for k, v in prof["collectives"].items()
+                                                 if not k.endswith("all_reduce"))
+            wire = prof["python_bytes"]
+        copy_in = f"{graph['fusion_copy_bytes'] / 1e6:.2f}" if graph else "-"
+        copy_back = f"{graph['copy_back_bytes'] / 1e6:.2f}" if graph else "-"
+        lines.append(
+            f"{j['mode']:<38}{n:>12}{wire / 1e6:>12.2f}{copy_in:>11}{copy_back:>13}"
+            f"{prof['copy_bytes'] / 1e6:>17.2f}{prof['held_bytes'] / 1e6:>9.1f}"
+            f"{prof['peak_bytes'] / 1e6:>9.1f}"
+            + (f"{prof.get('kernels', 0):>9}" if cuda else ""))
+    return "\n".join(lines)
+
+
+def plot_sweep(jobs: dict[str, dict[str, Any]], models: list[str], caps: list[float], path: str,
+               title: Callable[[str], str]) -> None:
+    """Step time against bucket cap per model, with the floors as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for mode in SWEEP_MODES:
+            pts = [(cap, jobs.get(f"{model}|{mode}|{cap}")) for cap in caps]
+            pts = [(cap, j) for cap, j in pts if j and "median_ms" in j]
+            if pts:
+                ax.errorbar([c for c, _ in pts], [j["median_ms"] for _, j in pts],
+                            yerr=[[j["median_ms"] - j["p10_ms"] for _, j in pts],
+                                  [j["p90_ms"] - j["median_ms"] for _, j in pts]],
+                            marker="o", capsize=3, label=mode)
+        for floor, style in zip((AOT_FLOOR, COMM_FLOOR), (":", "--")):
+            j = jobs.get(f"{model}|{floor}|None")
+            if j and "median_ms" in j:
+                ax.axhline(j["median_ms"], linestyle=style, color="gray", label=floor)
+        ax.set_xscale("log")
+        ax.set_xticks(caps)
+        ax.set_xticklabels([f"{c:g}" for c in caps])
+        ax.set_xlabel("bucket_cap_mb")
+        ax.set_ylabel("step time, median ms (bars: p10-p90)")
+        ax.set_title(title(model))
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
