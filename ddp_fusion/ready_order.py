@@ -45,7 +45,9 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
         with mode:
             return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
 
+    global _running
     saved = _snapshot(module)
+    _running += 1
     try:
         # compiled code inside the model (a torch.compile'd submodule, Lightning's
         # compiled training_step) runs eagerly here: compiled, it cannot take fake tensors
@@ -73,12 +75,23 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
                     )
                 torch.stack(losses).sum().backward()
     finally:
+        _running -= 1
         _restore(saved)
     leaked = _fake_attributes(module)
     if leaked:
         raise RuntimeError(f"the forward left fake tensors in the model: {', '.join(leaked[:5])}")
     seen = set(order)
     return order + [i for i in reversed(range(len(names))) if i not in seen]
+
+
+_running = 0
+
+
+def running() -> bool:
+    """Whether :func:`eager_ready_order`'s fake run is under way (a model that calls its
+    data-parallel model from its own forward, as ``replicate()``'s hooks do, is called
+    again by it)."""
+    return _running > 0
 
 
 def _snapshot(module: torch.nn.Module) -> list[tuple[torch.nn.Module, dict, dict, dict, dict]]:

@@ -20,6 +20,15 @@ constructor has run (its checks, the parameter broadcast, its C++ reducer):
 * torch's C++ reducer is replaced by a placeholder (it held a bucket buffer for every
   gradient, ``_torch.ddp.detach_cpp_reducer``).
 
+torch's composable ``replicate(module)`` builds a torch DDP over an ``nn.ParameterList``
+of ``module``'s parameters at the module's first forward, and calls that DDP's
+``_pre_forward`` / ``_post_forward`` from forward hooks on ``module``. Adopted the same
+way, its parameters carry ``module``'s names and the ready order is learned on
+``module`` (``_torch.ddp.replicated_module``); replicate's hook marks the DDP active for
+DDPOptimizer, which an adopted DDP is hidden from (``_torch.ddp.patch_forward``). As
+with eager ``replicate()``, no buffers are broadcast (the DDP's module, the
+ParameterList, holds none).
+
 The instance's class becomes a subclass of its own (same name; ``isinstance`` holds),
 whose few overrides are in ``_torch.ddp.adopted_class``. A DDP adopted stays adopted
 when the flag goes off (its hooks then go through the eager bucketed reducer). A torch
@@ -34,7 +43,7 @@ from typing import Any
 
 from torch import nn
 
-from . import _torch
+from . import _torch, ready_order
 from .grad_sync import GradSync
 from .plan import ddp_bucket_limits
 
@@ -73,6 +82,14 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
     params = [
         (n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored
     ]
+    replicated = _torch.ddp.replicated_module(ddp)
+    if replicated is not None:
+        # replicate()'s DDP wraps a ParameterList of the module's parameters, which
+        # cannot be called: the ready order is learned on the module itself, and the
+        # parameters carry the module's names (in the logs, the dumps, the model id)
+        module, names = replicated
+        name_of = dict(zip((n for n, _ in ddp.module.named_parameters()), names))
+        params = [(name_of[n], p) for n, p in params]
     for mod_name, mod in module.named_modules():
         if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
             raise NotImplementedError(
@@ -107,6 +124,11 @@ def adopted(ddp: Any) -> GradSync | None:
 
 class _Behaviour(_torch.ddp.AdoptedBehaviour):
     def pre_forward(self, ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if ready_order.running():
+            # replicate()'s module calls its DDP's _pre_forward from a forward pre-hook,
+            # so the fake run that learns the ready order on that module calls it again:
+            # nothing to do there (no broadcast of fake buffers, no second learning)
+            return inputs, kwargs
         if _torch.ddp.has_buffer_comm_hook(ddp):
             raise NotImplementedError(
                 f"{WHO}: register_buffer_comm_hook is not supported with ddp_fusion"

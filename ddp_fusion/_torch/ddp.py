@@ -1,6 +1,6 @@
 """Stock ``torch.nn.parallel.DistributedDataParallel``: patching its constructor and
-forward, taking its C++ reducer out of the gradients' path, its bucket defaults, and
-torch's own comm hooks."""
+forward, taking its C++ reducer out of the gradients' path, its bucket defaults,
+torch's own comm hooks, and the torch DDP that the composable ``replicate()`` builds."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ REQUIRED = (
     "torch.nn.parallel.DistributedDataParallel._post_forward",
     "torch.nn.parallel.DistributedDataParallel._remove_autograd_hooks",
     "torch.nn.parallel.DistributedDataParallel._register_builtin_comm_hook",
+    "torch.nn.parallel.DistributedDataParallel._get_active_ddp_module",
     "torch.nn.parallel.distributed._to_kwargs",
     "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook",
     "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook",
     "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook",
+    "torch.distributed._composable.replicate._ReplicateState.init",
 )
 
 #: Attributes of torch DDP instances this module reads or sets: set by torch DDP's
@@ -32,6 +34,10 @@ REQUIRED = (
 UNCHECKED = {
     "_use_python_reducer": "read with getattr and a default; set to take torch's "
                            "python-reducer forward path",
+    "_param_list": "set by _ReplicateState.__init__ (torch 2.13); read with getattr and a "
+                   "default (a replicate() DDP not recognised is adopted as a plain DDP)",
+    "_param_names": "set by _ReplicateState.__init__ and filled before _ReplicateState.init "
+                    "builds its DDP; checked to have one name per parameter",
 }
 
 #: DDP's default size of the first (latency-sensitive) bucket, in bytes.
@@ -52,18 +58,35 @@ def compute_bucket_assignment_by_size(
 
 def patch_forward(check: Callable[[Any], None]) -> Callable[[], None]:
     """Call ``check(ddp)`` at the start of every forward of a torch DDP that ddp_fusion
-    did not adopt (see :func:`adopted_class`). Returns the function that undoes it."""
+    did not adopt (see :func:`adopted_class`), and keep adopted ones away from
+    DDPOptimizer. Returns the function that undoes both.
+
+    Dynamo wraps the backend of every frame it compiles in DDPOptimizer while
+    ``DistributedDataParallel._active_ddp_module`` is set. torch DDP's own forward sets
+    it only on the C++-reducer path, which an adopted DDP does not take, but
+    ``replicate()``'s forward pre-hook sets it itself before calling the DDP's
+    ``_pre_forward``; so ``_get_active_ddp_module()``, which Dynamo reads, answers None
+    for an adopted DDP."""
     original = DDP._pre_forward
+    original_active = DDP.__dict__["_get_active_ddp_module"]
 
     def _pre_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
         check(self)
         return original(self, *inputs, **kwargs)
 
+    def _get_active_ddp_module(cls: type) -> Any:
+        active = original_active.__get__(None, cls)()
+        return None if active is not None and is_adopted(active) else active
+
+    active = classmethod(_get_active_ddp_module)
     DDP._pre_forward = _pre_forward
+    DDP._get_active_ddp_module = active
 
     def undo() -> None:
         if DDP._pre_forward is _pre_forward:
             DDP._pre_forward = original
+        if DDP.__dict__.get("_get_active_ddp_module") is active:
+            DDP._get_active_ddp_module = original_active
 
     return undo
 
@@ -80,8 +103,11 @@ def patch_init(
     """Around torch DDP's ``__init__`` (subclasses' ``super().__init__()`` included):
     ``before(arguments)`` may refuse the arguments before torch's constructor runs;
     ``after(ddp, arguments)`` runs right after it. ``arguments`` maps every constructor
-    argument's name to its value (defaults filled in). Returns the function that undoes
-    it."""
+    argument's name to its value (defaults filled in). Also around the composable
+    ``replicate()``'s construction of its DDP, so that :func:`replicated_module` knows
+    the module it replicates. Returns the function that undoes it."""
+    from torch.distributed._composable.replicate import _ReplicateState
+
     original = DDP.__init__
     signature = inspect.signature(original)
 
@@ -94,13 +120,30 @@ def patch_init(
         original(self, *args, **kwargs)
         after(self, arguments)
 
+    original_replicate_init = _ReplicateState.init
+
+    @functools.wraps(original_replicate_init)
+    def replicate_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        _replicating.append(self)
+        try:
+            original_replicate_init(self, *args, **kwargs)
+        finally:
+            _replicating.pop()
+
     DDP.__init__ = __init__
+    _ReplicateState.init = replicate_init
 
     def undo() -> None:
         if DDP.__init__ is __init__:
             DDP.__init__ = original
+        if _ReplicateState.init is replicate_init:
+            _ReplicateState.init = original_replicate_init
 
     return undo
+
+
+# replicate() states whose DDP is being built (innermost last)
+_replicating: list[Any] = []
 
 
 def detach_cpp_reducer(ddp: Any) -> None:
@@ -155,6 +198,24 @@ def move_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     return moved[0], moved_kwargs[0]
 
 
+def replicated_module(ddp: Any) -> tuple[torch.nn.Module, list[str]] | None:
+    """For the torch DDP that torch's composable ``replicate(module)`` builds (at the
+    module's first forward, over an ``nn.ParameterList`` of the module's parameters):
+    ``module`` and the names ``replicate()`` gives those parameters (``module``'s own
+    names), in the order of the ParameterList's ``named_parameters()``. None for any
+    other DDP. Call it from within the DDP's constructor (:func:`patch_init`'s
+    ``after``)."""
+    state = _replicating[-1] if _replicating else None
+    if state is None or getattr(state, "_param_list", None) is not ddp.module:
+        return None
+    names = list(state._param_names)
+    if len(names) != len(ddp.module) or len(set(names)) != len(names):
+        return None
+    # the ParameterList names its parameters "0", "1", ... and skips a repeat (a tied
+    # parameter collected twice) as named_parameters() does
+    return state.module, [names[int(n)] for n, _ in ddp.module.named_parameters()]
+
+
 def has_buffer_comm_hook(ddp: Any) -> bool:
     return hasattr(ddp, "buffer_hook")
 
@@ -187,6 +248,11 @@ class AdoptedBehaviour:
 
 
 _adopted_classes: dict[tuple[type, int], type] = {}
+
+
+def is_adopted(ddp: Any) -> bool:
+    """Whether ``ddp``'s class is one that :func:`adopted_class` made."""
+    return type(ddp) in _adopted_classes.values()
 
 
 def adopted_class(base: type, behaviour: AdoptedBehaviour) -> type:
