@@ -151,14 +151,25 @@ _compiled_autograd: list[_torch.compiled_autograd.Handle] = []  # the one instal
 
 
 def _install_compiled_autograd() -> Callable[[], None]:
-    handle = _torch.compiled_autograd.install(compile_backward)
+    dynamic = effects.DYNAMIC_BACKWARD in effects.wanted()
+    handle = _torch.compiled_autograd.install(compile_backward, dynamic)
     _compiled_autograd[:] = [handle]
     return handle.restore
+
+
+def _dynamic_backward() -> Callable[[], None]:
+    """Compiled autograd, if on, goes on tracing with dynamic sizes."""
+    ca = effects.COMPILED_AUTOGRAD
+    if ca in _undo and not _compiled_autograd[0].dynamic:
+        _undo.pop(ca)()
+        _undo[ca] = _install_compiled_autograd()
+    return lambda: None  # undone with compiled autograd itself
 
 
 # effects.py's effects: what applies each
 _EFFECTS: dict[str, Callable[[], Callable[[], None]]] = {
     effects.COMPILED_AUTOGRAD: _install_compiled_autograd,
+    effects.DYNAMIC_BACKWARD: _dynamic_backward,
     effects.DTENSOR_CLONE: _torch.compiled_autograd.allow_dtensor_post_accumulate_grad_hooks,
 }
 

@@ -8,6 +8,10 @@ the layer map) never import ``_install``. The effects:
 * compiled autograd for every backward, asked for when a model's forward first runs
   compiled (so that a model that is never compiled keeps eager DDP's speed and nothing
   is compiled that the user did not compile);
+* compiled autograd tracing with dynamic shapes, asked for when a model's forward is
+  compiled with dynamic shapes (Dynamo's automatic dynamic after a shape changed, or
+  ``torch.compile(dynamic=True)``): until then backward graphs are compiled for static
+  shapes, as torch.compile's own forward graphs are;
 * compiled autograd copying DTensor parameters with ``clone()``, asked for by a model
   with DTensor parameters (DP x TP).
 """
@@ -18,6 +22,9 @@ from collections.abc import Callable
 
 COMPILED_AUTOGRAD = "compiled_autograd"
 """Compiled autograd on for every ``backward()`` (``_torch.compiled_autograd.install``)."""
+
+DYNAMIC_BACKWARD = "dynamic_backward"
+"""Compiled autograd traces backward with dynamic sizes (one graph for every shape)."""
 
 DTENSOR_CLONE = "dtensor_clone"
 """Compiled autograd copies DTensor parameters with ``clone()``

@@ -163,9 +163,26 @@ def _on_forward(key: tuple[int, bool], inputs: Any) -> None:
         state.compiled_while_disabled = True
         return
     state.compiled = True
+    if traced and _has_dynamic_shapes(inputs):
+        effects.want(effects.DYNAMIC_BACKWARD)  # before: compiled autograd starts dynamic
     effects.want(effects.COMPILED_AUTOGRAD)
     if not state.ready_learned and torch.is_grad_enabled():
         _learn_ready_order(sync, inputs)
+
+
+def _has_dynamic_shapes(inputs: Any) -> bool:
+    """Whether Dynamo traces this forward with a symbolic size (automatic dynamic
+    after a shape changed, or ``dynamic=True``); then backward is traced dynamic too."""
+    try:
+        args, kwargs = inputs()
+    except Exception:  # noqa: BLE001 - an argument Dynamo cannot give: assume static
+        return False
+    return any(
+        isinstance(s, torch.SymInt)
+        for t in _torch.tensors.tree_leaves((args, kwargs))
+        if isinstance(t, torch.Tensor)
+        for s in t.shape
+    )
 
 
 def _learn_ready_order(sync: GradSync, inputs: Any) -> None:

@@ -26,13 +26,14 @@ UNCHECKED: dict[str, str] = {}
 class Handle:
     """Compiled autograd switched on by :func:`install`, restorable."""
 
-    def __init__(self, compiler_fn: Callable[..., Any]) -> None:
+    def __init__(self, compiler_fn: Callable[..., Any], dynamic: bool) -> None:
         from torch._dynamo import compiled_autograd
 
         self._ca = compiled_autograd
+        self.dynamic = dynamic
         # What torch's own `_enable` context installs, kept so we can tell it is ours.
         self.factory = functools.partial(compiled_autograd.AutogradCompilerInstance, compiler_fn)
-        self.prior = self._set(self.factory, True)
+        self.prior = self._set(self.factory, dynamic)
         self.prior_multithreading = torch._C._is_multithreading_enabled()
         torch._C._set_multithreading_enabled(False)  # as torch's `_enable` does
         compiled_autograd.compiled_autograd_enabled = True
@@ -65,12 +66,14 @@ class Handle:
         torch._C._set_multithreading_enabled(self.prior_multithreading)
 
 
-def install(compiler_fn: Callable[..., Any]) -> Handle:
+def install(compiler_fn: Callable[..., Any], dynamic: bool) -> Handle:
     """Compiled autograd on for every ``backward()`` in the process until the handle's
     ``restore()``. Unlike torch's ``_enable`` context, it need not be closed in LIFO
     order with contexts the user opened before it. (If ``torch._dynamo.reset()``
-    switched it off meanwhile, ``restore`` leaves it off.)"""
-    return Handle(compiler_fn)
+    switched it off meanwhile, ``restore`` leaves it off.) ``dynamic``: trace backward
+    graphs with dynamic sizes (one graph serves every shape) rather than specialized to
+    the sizes seen (faster code while shapes do not change)."""
+    return Handle(compiler_fn, dynamic)
 
 
 def active() -> bool:
