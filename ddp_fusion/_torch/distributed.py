@@ -1,8 +1,11 @@
-"""c10d: the process-group registry, stores, futures, functional collectives, ``Join``."""
+"""c10d: the process-group registry, stores, futures, functional collectives, ``Join``,
+the flight recorder."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import pickle
 from typing import Any
 
 import torch
@@ -11,6 +14,7 @@ import torch.distributed as dist
 REQUIRED = (
     "torch._C._distributed_c10d._resolve_process_group",
     "torch._C._distributed_c10d._register_process_group",
+    "torch._C._distributed_c10d._dump_fr_trace",
     "torch._C.Future",
     "torch.distributed.ProcessGroup._set_group_name",
     "torch.distributed.ProcessGroup._get_backend",
@@ -115,3 +119,29 @@ def join_enabled(joinable: Any) -> bool:
     """Whether ``joinable`` is in an enabled join context (torch's ``Join`` sets its
     ``_join_config``; it stays set after the context, as for torch DDP)."""
     return joinable is not None and joinable._join_config.enable
+
+
+#: The environment variable that turns on c10d's flight recorder (read when a process
+#: group is created) and gives its number of entries.
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+
+
+def flight_recorder_on() -> bool:
+    return os.environ.get(FLIGHT_RECORDER_ENV, "0").strip() not in ("", "0")
+
+
+def collectives_recorded() -> list[tuple[int, str]]:
+    """``(record id, profiling name)`` of the collectives c10d's flight recorder holds
+    (the last ``TORCH_FR_BUFFER_SIZE`` this process issued, on any process group and
+    thread, eager or from a compiled graph; gloo names an all-reduce
+    ``"gloo:all_reduce"``, coalesced or not), oldest first. Record ids grow by one per
+    collective. The recorder must have been on (``TORCH_FR_BUFFER_SIZE`` > 0) when the
+    process groups were created: reading it otherwise aborts the process, so this
+    raises ``RuntimeError`` instead."""
+    if not flight_recorder_on():
+        raise RuntimeError(
+            f"c10d's flight recorder is off: set {FLIGHT_RECORDER_ENV} before the process "
+            "groups are created"
+        )
+    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    return [(e["record_id"], e["profiling_name"]) for e in trace.get("entries", [])]
