@@ -61,10 +61,15 @@ def finish(args, ddp, collectives: int) -> None:
         "adopted_by_ddp_fusion": hasattr(ddp, "_ddp_fusion"),
         "fused_plans_run": counters["ddp_fusion"]["plans_run"],
         "unfused": {k: v for k, v in counters["ddp_fusion"].items() if k.startswith("unfused")},
+        "ready_order_unknown": counters["ddp_fusion"]["ready order: graph's"],
         "graph_breaks": sum(counters["graph_break"].values()),
     }
     if args.mode == "eager":  # eager DDP's own bucket count after its rebuild
-        info["eager_buckets"] = len(ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
+        # (never rebuilt with find_unused_parameters, which the HF Trainer sets by default;
+        # eager DDP then also all-reduces a used-parameter bitmap each step)
+        data = ddp._get_ddp_logging_data()
+        info["eager_buckets"] = len(data.get("rebuilt_bucket_sizes", data["bucket_sizes"]).split(","))
+        info["find_unused_parameters"] = ddp.find_unused_parameters
     print(json.dumps(info), flush=True)
     if args.out:
         with open(f"{args.out}.{dist.get_rank()}.json", "w") as f:

@@ -79,3 +79,36 @@ def test_lightning_trainer_comm_hooks_train_fused_as_without_ddp_fusion(hook, tm
             assert got["collectives_last_step"] == want["collectives_last_step"], (got, want)
         diff = max((got_params[k] - want_params[k]).abs().max().item() for k in want_params)
         assert diff < 1e-6, (hook, diff)
+
+
+@pytest.mark.parametrize(
+    "find_unused",
+    [
+        pytest.param("trainer", id="trainer-default"),
+        pytest.param("false", id="find-unused-false", marks=pytest.mark.slow),
+    ],
+)
+def test_hf_trainer_trains_fused_as_with_eager_ddp(find_unused, tmp_path):
+    """The HF Trainer (TrainingArguments(torch_compile=True, ddp_backend="gloo",
+    use_cpu=True), a 2-layer GPT-2 built from a config, tied embeddings) with the flag on,
+    against the Trainer with eager DDP (flag off, no compile). By default the Trainer
+    builds DDP with find_unused_parameters=True for a transformers model: eager DDP then
+    keeps its first buckets and all-reduces a used-parameter bitmap each step as well,
+    which ddp_fusion leaves out (no parameter is unused); with it false, eager DDP
+    rebuilds its buckets in its ready order, which ddp_fusion learns."""
+    pytest.importorskip("transformers")
+    extra = ("--find-unused-parameters", find_unused)
+    eager = _torchrun("hf_trainer_ddp.py", "eager", tmp_path / "eager", *extra)
+    fused = _torchrun("hf_trainer_ddp.py", "fused", tmp_path / "fused", *extra)
+    for (want, want_params), (got, got_params) in zip(eager, fused):
+        assert got["adopted_by_ddp_fusion"] and got["fused_plans_run"] == 1, got
+        assert got["ddp"] == "torch.nn.parallel.distributed.DistributedDataParallel", got
+        assert not got["unfused"] and got["graph_breaks"] == 0, got
+        assert got["ready_order_unknown"] == 0, got
+        bitmap = 1 if want["find_unused_parameters"] else 0
+        assert want["find_unused_parameters"] == (find_unused == "trainer"), want
+        assert want["eager_buckets"] > 1, want
+        assert want["collectives_last_step"] == want["eager_buckets"] + bitmap, want
+        assert got["collectives_last_step"] == want["eager_buckets"], (got, want)
+        diff = max((got_params[k] - want_params[k]).abs().max().item() for k in want_params)
+        assert diff < 1e-5, diff
