@@ -31,26 +31,40 @@ DDP's (or eager DDP's with the same comm hook).
     python -m bench.step_time --model hf \
         --modes eager_ddp,ddp_optimizer,upstream_python_reducer_concat,ddp_fusion_stock
     python -m bench.step_time --device cuda    # one GPU: world size 1, NCCL
+    python -m bench.step_time --link 1gbit,2gbit,4gbit,8gbit   # a shaped link (below)
 
 On one GPU, world size 1 measures what fusion costs or saves in kernels and copies, not
 communication (NCCL cannot put two ranks on one GPU); bench.cost_model projects
 communication for more GPUs.
 
+``--link RATE[,RATE...]``: the ranks run in a private network namespace whose loopback
+is shaped by ``tc``'s token bucket filter to RATE (e.g. ``4gbit``), so communication waits
+on the wire instead of on the 2 cores that run backward (bench/_lib/link.py). The jobs are
+compiled once and timed at each rate; the tables give each mode's own compute floor, the
+communication floor, step time and hidden communication, and a PNG per rate shows one step
+per rank of eager DDP and ddp_fusion on a time line. Default models with ``--link``: mlp,
+gpt, hf_gpt2; modes: eager DDP (with and without ``gradient_as_bucket_view``),
+DDPOptimizer, upstream compiled DDP, ddp_fusion concat and coalesced, and the floors.
+Needs root, ``unshare`` and ``tc`` with ``tbf`` (iproute2); exits naming what was refused
+otherwise.
+
 Writes tables to stdout and ``bench/out/step_time.json`` (``step_time_sweep.{json,png}``
-for ``--sweep``).
+for ``--sweep``; ``step_time_link[_<model>].json`` and
+``step_time_link_timeline_<model>_<rate>.png`` for ``--link``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
 
-from bench._lib import jobs, report
+from bench._lib import jobs, link, report
 from bench._lib.models import MODELS, model_info, world_size
 from bench._lib.modes import all_modes
 from bench._lib.record import out_path, provenance, write_json
@@ -61,9 +75,10 @@ MODEL_SETS = {"all": ["mlp", "gpt"], "hf": [m for m in MODELS if m.startswith("h
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m bench.step_time", description=__doc__.split("\n")[0])
     hf = MODEL_SETS["hf"]
-    parser.add_argument("--model", choices=("mlp", "gpt", "mlp_tp", "all", "hf", *hf), default="all",
+    parser.add_argument("--model", choices=("mlp", "gpt", "mlp_tp", "all", "hf", *hf), default=None,
                         help="all = mlp and gpt (2 ranks; the default); mlp_tp = DP=2 x TP=2 on 4 gloo "
-                             f"ranks; hf = every transformers model ({', '.join(hf)})")
+                             f"ranks; hf = every transformers model ({', '.join(hf)}). With --link: "
+                             f"default {','.join(link.MODELS)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one GPU, world size 1 with NCCL (measures fusion overhead, "
                              "not communication)")
@@ -74,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--sweep", default=None,
                         help="comma-separated caps, e.g. 1,5,25: run eager_ddp and ddp_fusion "
                              "over them (+ floors) and plot")
+    parser.add_argument("--link", default=None, metavar="RATE[,RATE...]",
+                        help="run in a network namespace with a tbf-shaped loopback at each rate "
+                             "(e.g. 4gbit, or 1gbit,2gbit,4gbit,8gbit); needs root, unshare, tc")
+    parser.add_argument("--_inside-link", dest="inside_link", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=None, help="default 10 (quick: 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per round, default 5")
     parser.add_argument("--warmup", type=int, default=3)
@@ -92,18 +111,32 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                          f"built with CUDA {torch.version.cuda})")
         if args.model == "mlp_tp":
             parser.error("--model mlp_tp needs 4 ranks; on one GPU NCCL runs world size 1")
+        if args.link:
+            parser.error("--link shapes the loopback between gloo ranks on CPU; not with --device cuda")
+    if args.link and (args.sweep or args.model == "mlp_tp"):
+        parser.error("--link times pure data-parallel models (not mlp_tp, whose TP all-reduces would "
+                     "cross the link inside the compute floors), and not with --sweep")
     known = list(all_modes())
     bad = [m for m in (args.modes.split(",") if args.modes else []) if m not in known]
     if bad:
         parser.error(f"unknown modes {bad}; known: {known}")
+    if args.link:
+        try:
+            args.rates = link.parse_rates(args.link)
+        except ValueError as e:
+            parser.error(f"--link: {e}")
     return parser, args
 
 
 def main(argv: list[str] | None = None) -> None:
     parser, args = parse_args(argv)
+    if args.link and not args.inside_link:
+        # the run itself happens inside a private network namespace: this process waits
+        sys.exit(link.run_inside(sys.argv[1:] if argv is None else argv, args.rates[0]))
     rounds = args.rounds or (2 if args.quick else 10)
     steps = args.steps or 5
-    models = MODEL_SETS.get(args.model or "all", [args.model])
+    default_models = link.MODELS if args.link else MODEL_SETS["all"]
+    models = MODEL_SETS.get(args.model, [args.model]) if args.model else default_models
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="step_time_inductor_cache_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     device = args.device if args.device == "cpu" else torch.cuda.get_device_name()
@@ -116,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
             "zero_grad_set_to_none": args.zero_grad == "none", "bucket_cap_mb": args.bucket_cap_mb,
             "inductor_cache_dir": cache_dir, "models": {m: MODELS[m].desc for m in models},
             "model_info": {m: model_info(m) for m in models}}
+    if args.link:
+        link.main(args, models, rounds, steps, meta)
+        return
     caps: list[Any] = [float(c) for c in args.sweep.split(",")] if args.sweep else [args.bucket_cap_mb]
     default_modes = list(report.SWEEP_MODES) if args.sweep else list(all_modes())
     modes = args.modes.split(",") if args.modes else default_modes

@@ -9,6 +9,9 @@ over these.
   ``ddp_fusion.launch.RankPool``, compiled once, timed round-robin;
 * ``profiling``: profiler helpers: bytes, copies, memory, lowered graphs, time lines;
 * ``report``: step-time and bytes tables, the bucket-cap sweep plot;
+* ``link``: the shaped-link benchmark (``bench.step_time --link``): the network namespace,
+  rates, floors and hidden communication;
+* ``timeline``: one profiled step per rank on a time line, and its picture;
 * ``comm``: plain all-reduce timings (rank functions) and the alpha-beta fit;
 * ``replay``: the cost model's replay of profiled steps with modelled communication;
 * ``projection``: the GPU projection (pure functions);

@@ -249,11 +249,12 @@ def timeline(prof: Any) -> dict[str, Any]:
     * ``waits``: main-thread blocking waits (:data:`WAIT_OPS`);
     * ``colls``: the backend's bucket collectives (``gloo:all_reduce``), any thread, as
       ``(start, end, bytes)`` (bytes 0 unless shapes were recorded);
-    * ``compute``: outermost main-thread ops inside the backward phase that are neither
-      issues nor waits (the backward's compute: autograd nodes for eager modes,
-      Inductor's compiled kernels for compiled ones);
     * ``copy_out``: starts of eager DDP's copies of reduced buckets into ``.grad``;
-    * ``gaps``: main-thread intervals with no event (idle or blocked in C++);
+    * ``checks``: ddp_fusion's plan-check ops on the main thread (``plan_check_start``
+      issues a small all-gather, ``plan_guard`` waits for it before the first bucket),
+      as ``(name, start, end)``;
+    * ``gaps``: main-thread intervals with no event (idle, or blocked in C++: eager DDP
+      waits for its buckets without a profiler event);
     * ``wall_ms``: the step's length.
     """
     evs = list(prof.profiler.kineto_results.events())
@@ -273,6 +274,8 @@ def timeline(prof: Any) -> dict[str, Any]:
     colls = sorted((rel(e.start_ns()), rel(e.end_ns()), nbytes(e.shapes(), e.dtypes()))
                    for e in inside if e.name() in BUCKET_COLLECTIVES)
     copy_out = sorted(rel(e.start_ns()) for e in on_main if e.name() == COPY_OUT)
+    checks = sorted((e.name().split("::")[-1], rel(e.start_ns()), rel(e.end_ns())) for e in on_main
+                    if e.name() in ("ddp_fusion::plan_check_start", "ddp_fusion::plan_guard"))
     busy = sorted((rel(e.start_ns()), rel(e.end_ns())) for e in on_main
                   if not e.name().startswith(("bench::", "step::")))
     gaps, cur = [], 0.0
@@ -282,10 +285,5 @@ def timeline(prof: Any) -> dict[str, Any]:
         cur = max(cur, e)
     if rel(s1) > cur + 0.02:
         gaps.append((cur, rel(s1)))
-    b0, b1 = phases.get("backward", (0.0, 0.0))
-    comm_ops = ISSUE_OPS | WAIT_OPS | set(BUCKET_COLLECTIVES)
-    compute = _outermost([(rel(e.start_ns()), rel(e.end_ns())) for e in on_main
-                          if b0 <= rel(e.start_ns()) < b1 and not e.name().startswith(("bench::", "step::"))
-                          and e.name() not in comm_ops and not e.name().startswith(COLLECTIVE_PREFIXES)])
     return {"wall_ms": rel(s1), "phases": phases, "issues": issues, "waits": waits, "colls": colls,
-            "compute": compute, "copy_out": copy_out, "gaps": gaps}
+            "copy_out": copy_out, "checks": checks, "gaps": gaps}

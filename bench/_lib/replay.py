@@ -14,27 +14,29 @@ import statistics
 from typing import Any
 
 
-def _blocked(step: dict[str, Any]) -> list[tuple[float, float]]:
+def blocked(step: dict[str, Any]) -> list[tuple[float, float]]:
     """Main-thread intervals spent waiting for communication: the wait ops; in modes
-    without wait ops (eager DDP waits in C++, with no profiler event), the idle gaps
-    after the last issue in which a collective completes."""
+    without wait ops (eager DDP and DDPOptimizer wait in C++, with no profiler event),
+    the idle gaps after the last issue that start while a collective is in flight. (The
+    backend's event of a collective can end milliseconds after the waiting thread
+    resumed, when gloo's thread is not scheduled at once on a busy machine.)"""
     if step["waits"]:
         return list(step["waits"])
     if not step["issues"]:
         return []
     last = step["issues"][-1][1]
     ends = [e for _, e, _ in step["colls"]]
-    return [(s, e) for s, e in step["gaps"] if s >= last and any(s <= c <= e + 0.05 for c in ends)]
+    return [(s, e) for s, e in step["gaps"] if s >= last and any(c > s for c in ends)]
 
 
 def compute_view(step: dict[str, Any]) -> dict[str, Any]:
     """The step on the rank's *compute clock* (wall time minus blocked time): collective
     issue times, their bytes, the sync points (clock, index of the collective waited
     for), and the total compute time."""
-    blocked = _blocked(step)
+    cut = blocked(step)
 
     def tau(t: float) -> float:
-        return t - sum(max(0.0, min(e, t) - s) for s, e in blocked)
+        return t - sum(max(0.0, min(e, t) - s) for s, e in cut)
 
     issues = step["issues"]
     colls = step["colls"]
@@ -51,13 +53,13 @@ def compute_view(step: dict[str, Any]) -> dict[str, Any]:
     elif k:
         # eager DDP: finalize_backward waits for every bucket, then copies results out
         last = issues[-1][1]
-        cands = [s for s, _ in blocked if s >= last] + [t for t in step["copy_out"] if t >= last]
+        cands = [s for s, _ in cut if s >= last] + [t for t in step["copy_out"] if t >= last]
         t_sync = min(cands) if cands else step["phases"]["backward"][1]
         syncs = [(tau(t_sync), k - 1)]
     bwd = step["phases"]["backward"]
     return {"issue": [tau(s) for s, _ in issues], "bytes": [b for _, _, b in colls],
             "syncs": syncs, "total": tau(step["wall_ms"]),
-            "blocked_ms": sum(e - s for s, e in blocked),
+            "blocked_ms": sum(e - s for s, e in cut),
             "backward": (tau(bwd[0]), tau(bwd[1])), "wall_ms": step["wall_ms"],
             "measured_coll_ms": [e - s for s, e, _ in colls]}
 
