@@ -7,15 +7,19 @@ first step or at any later one. Each fused graph therefore starts with one
 ``ddp_fusion::plan_check_start`` per process group, which issues an async all-gather of
 a hash of the group's plan (one int64 per rank: one small collective per group per
 step, overlapped with backward compute), and has one ``ddp_fusion::plan_guard`` right
-before the group's first bucket, which waits for it. If the hashes differ, every rank
-reads the others' plans from the process group's store (no collective) and raises
-:class:`PlanMismatchError` naming the difference, before any bucket is issued.
+before the group's first bucket is issued, which waits for it. If the hashes differ,
+every rank reads the others' plans from the process group's store (no collective) and
+raises :class:`PlanMismatchError` naming the difference, before any bucket is issued.
 
-The guard also returns the divisor of the bucket scaling, read at run time
-(scaling.py); nothing about the group is baked into the graph, so a graph served from
-Inductor's FX graph cache, or reused after the group changed size, divides correctly.
-And every bucket depends on it, so Inductor cannot issue a bucket's collective before
-the check.
+The divisor of the bucket scaling is read at run time (scaling.py): nothing about the
+group is baked into the graph, so a graph served from Inductor's FX graph cache, or
+reused after the group changed size, divides correctly. Gradients are scaled by
+``ddp_fusion::plan_divisor``, which does not wait, so Inductor can fuse the scaling into
+the kernels that compute them; only each bucket's last gradient is scaled by the
+divisor the guard returns (the same value, after the check). So every bucket's
+collective depends on the guard, and the guard's wait comes just before the first
+bucket is issued, not at the start of backward (which would make the ranks wait for
+each other there, as eager DDP never does).
 
 The plan travels in the graph as the group's :class:`~ddp_fusion.plan.BucketPlan` in
 JSON (``BucketPlan.of_group(...).to_json()``). A joined rank (join.py) learns which plan
@@ -105,8 +109,7 @@ def plan_guard(
         work.wait()
         if not bool((everyone[everyone != JOINED] == mine).all()):
             raise PlanMismatchError(_describe_mismatch(group_name, _plans_of(everyone, plan)))
-    scale = scaling.divisor(group) if reduce_op == "avg" else 1  # "sum"; "hook": the hook scales
-    return torch.full((), scale, dtype=torch.float32, device=device)
+    return torch.full((), _divisor(group, reduce_op), dtype=torch.float32, device=device)
 
 
 @plan_guard.register_fake
@@ -114,8 +117,25 @@ def _(token, group_name, plan, reduce_op, device):
     return torch.empty((), dtype=torch.float32, device=device)
 
 
+@torch.library.custom_op("ddp_fusion::plan_divisor", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+def plan_divisor(group_name: str, reduce_op: str, device: torch.device) -> torch.Tensor:
+    """What :func:`plan_guard` returns, without waiting for the check: the bucket divisor
+    for ``reduce_op`` as a 0-d float32 tensor on ``device``."""
+    return torch.full((), _divisor(_group(group_name), reduce_op), dtype=torch.float32, device=device)
+
+
+@plan_divisor.register_fake
+def _(group_name, reduce_op, device):
+    return torch.empty((), dtype=torch.float32, device=device)
+
+
+def _divisor(group: dist.ProcessGroup, reduce_op: str) -> int:
+    return scaling.divisor(group) if reduce_op == "avg" else 1  # "sum"; "hook": the hook scales
+
+
 PLAN_CHECK_START = torch.ops.ddp_fusion.plan_check_start.default
 PLAN_GUARD = torch.ops.ddp_fusion.plan_guard.default
+PLAN_DIVISOR = torch.ops.ddp_fusion.plan_divisor.default
 
 
 def plan_id(plan: str) -> str:

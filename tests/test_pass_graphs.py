@@ -71,14 +71,15 @@ def forward(self, x_1, w1_1, w2_1):
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
     plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', device(type='cpu'))
+    plan_divisor_default = torch.ops.ddp_fusion.plan_divisor.default('0', 'avg', device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
+    div_tensor = torch.ops.aten.div.Tensor(view_default, plan_divisor_default);  view_default = plan_divisor_default = None
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
-    div_tensor = torch.ops.aten.div.Tensor(view_default, plan_guard_default);  view_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
     bucket0_cat = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
     bucket0_all_reduce = torch.ops._c10d_functional.all_reduce.default(bucket0_cat, 'sum', '0');  bucket0_cat = None
@@ -95,18 +96,21 @@ def forward(self, x_1, w1_1, w2_1):
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
     plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "coalesced", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', device(type='cpu'))
+    plan_divisor_default = torch.ops.ddp_fusion.plan_divisor.default('0', 'avg', device(type='cpu'))
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
+    bucket0_scale = torch.ops.aten._foreach_div.Tensor([mm_1], plan_divisor_default);  mm_1 = plan_divisor_default = None
+    getitem = bucket0_scale[0];  bucket0_scale = None
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "coalesced", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
-    bucket0_scale = torch.ops.aten._foreach_div.Tensor([mm_1, sum_1], plan_guard_default);  mm_1 = sum_1 = plan_guard_default = None
-    bucket0_all_reduce_coalesced = torch.ops._c10d_functional.all_reduce_coalesced.default(bucket0_scale, 'sum', '0');  bucket0_scale = None
-    getitem = bucket0_all_reduce_coalesced[0]
-    bucket0_wait = torch.ops._c10d_functional.wait_tensor.default(getitem);  getitem = None
-    getitem_1 = bucket0_all_reduce_coalesced[1];  bucket0_all_reduce_coalesced = None
-    bucket0_wait_1 = torch.ops._c10d_functional.wait_tensor.default(getitem_1);  getitem_1 = None
+    bucket0_scale_checked = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
+    bucket0_all_reduce_coalesced = torch.ops._c10d_functional.all_reduce_coalesced.default([getitem, bucket0_scale_checked], 'sum', '0');  getitem = bucket0_scale_checked = None
+    getitem_1 = bucket0_all_reduce_coalesced[0]
+    bucket0_wait = torch.ops._c10d_functional.wait_tensor.default(getitem_1);  getitem_1 = None
+    getitem_2 = bucket0_all_reduce_coalesced[1];  bucket0_all_reduce_coalesced = None
+    bucket0_wait_1 = torch.ops._c10d_functional.wait_tensor.default(getitem_2);  getitem_2 = None
     return (bucket0_wait_1, bucket0_wait)""")
 
     def test_without_wait_scheduling_wait_follows_collective(self):

@@ -2,7 +2,7 @@
 
     collectives.py  find ``ddp_fusion::all_reduce_gradient`` nodes (the tag)
     bucketing.py    plan buckets per (group, dtype, device, reduce op, limits), DDP's rule
-    guard.py        one cross-rank plan check per group, before its first bucket (the divisor)
+    guard.py        one cross-rank plan check per group, before its first bucket is issued
     concat.py       rewrite a bucket as cat + div + all_reduce + split
     coalesced.py    rewrite a bucket as _foreach_div + all_reduce_coalesced
     schedule.py     move each bucket's wait to just before its first reader
@@ -106,18 +106,19 @@ def fuse_ddp_allreduces(
         else:
             after = fused[-1].tails[-1][-1]  # the end of the previous bucket's nodes
         key = bucket.key
-        guard = guards[key.group_name, key.reduce_op, key.device]
+        divisors = guards[key.group_name, key.reduce_op, key.device]
+        last = max(bucket.grads, key=lambda g: order[g.grad])  # scaled by the checked divisor
         label = f"bucket{i}"
         if planned.hook is not None:  # the model's comm hook reduces it (comm_hooks.py)
-            fused.append(fuse_concat(make, bucket, after, guard, label, hooked[i]))
+            fused.append(fuse_concat(make, bucket, after, divisors, last, label, hooked[i]))
         else:
-            fused.append(_FUSERS[algorithm](make, bucket, after, guard, label))
+            fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})
     # A reader of an early gradient in a bucket may sit before the bucket's collective
     # (never in a compiled backward, where readers are the graph's outputs, but
     # possible in hand-written graphs); move such readers after it.
     _torch.inductor.stable_topological_sort(graph)
-    place_guards(graph, list(guards.values()))
+    place_guards(graph, [checked for _, checked in guards.values()])
     if schedule_waits:
         budget = config.max_in_flight_mb if max_in_flight_mb is _CONFIG else max_in_flight_mb
         sink_waits(graph, fused, None if budget is None else int(budget * MiB))

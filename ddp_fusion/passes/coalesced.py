@@ -23,6 +23,7 @@ import torch.fx
 from .. import _torch
 from ._graph import NodeMaker, memory_order
 from .bucketing import Bucket
+from .collectives import GradAllReduce
 from .schedule import FusedBucket
 
 aten = torch.ops.aten
@@ -31,10 +32,18 @@ c10d = _torch.distributed.c10d_functional
 
 
 def fuse_coalesced(
-    make: NodeMaker, bucket: Bucket, after: torch.fx.Node, divisor: torch.fx.Node, label: str
+    make: NodeMaker,
+    bucket: Bucket,
+    after: torch.fx.Node,
+    divisors: tuple[torch.fx.Node, torch.fx.Node],
+    last: GradAllReduce,
+    label: str,
 ) -> FusedBucket:
-    """``label``: the bucket's name (``bucket<i>``), which its nodes' names start with."""
+    """``divisors``: (divisor, checked divisor): ``last``, the bucket's last-ready
+    gradient, is scaled by the checked one, the others by the other (guard.py).
+    ``label``: the bucket's name (``bucket<i>``), which its nodes' names start with."""
     key = bucket.key
+    divisor, checked = divisors
     with make.graph.inserting_before(after.next):
         # all_reduce_coalesced returns contiguous tensors whatever its inputs' strides
         orders = [_order(g.grad.meta["val"]) for g in bucket.grads]
@@ -51,18 +60,22 @@ def fuse_coalesced(
                 make(prims.convert_element_type.default, (g, key.comm_dtype))
                 for g in grads
             ]
-        inputs = make(aten._foreach_div.Tensor, (grads, divisor), name=f"{label}_scale")
+        at = bucket.grads.index(last)
+        rest = grads[:at] + grads[at + 1:]
+        items = []
+        if rest:
+            scaled = make(aten._foreach_div.Tensor, (rest, divisor), name=f"{label}_scale")
+            items = [make(operator.getitem, (scaled, i)) for i in range(len(rest))]
+        items.insert(at, make(aten.div.Tensor, (grads[at], checked), name=f"{label}_scale_checked"))
+        # the fp32 divisor promotes a 0-d bf16/fp16 gradient to fp32; round those back
+        # (the same result as eager DDP's div_ of a bf16 bucket)
         wire_dtype = key.comm_dtype or key.dtype
-        if any(v.dtype != wire_dtype for v in inputs.meta["val"]):
-            # _foreach_div by the fp32 divisor promotes (some) bf16/fp16 tensors to fp32;
-            # round those back (the same result as eager DDP's div_ of a bf16 bucket).
-            items = [make(operator.getitem, (inputs, i)) for i in range(len(grads))]
-            inputs = [
-                item
-                if item.meta["val"].dtype == wire_dtype
-                else make(prims.convert_element_type.default, (item, wire_dtype))
-                for item in items
-            ]
+        inputs = [
+            item
+            if item.meta["val"].dtype == wire_dtype
+            else make(prims.convert_element_type.default, (item, wire_dtype))
+            for item in items
+        ]
         collective = make(
             c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name),
             name=f"{label}_all_reduce_coalesced",

@@ -11,7 +11,7 @@ After (inserted right after the last of g1..gn is computed)::
 
     flat = cat([div(view(g1, [-1]), divisor)   # each gradient scaled as it is copied in:
                 ...                            # Inductor writes g_i / divisor straight
-                div(view(gn, [-1]), divisor)]) # into its slice (one pass, one buffer)
+                div(view(gn, [-1]), checked)]) # into its slice (one pass, one buffer)
     red  = _c10d_functional.all_reduce(flat, "sum", group)   # in place on flat
     red  = _c10d_functional.wait_tensor(red)                 # moved later by schedule.py
     parts = split_with_sizes(red, [numel1 ... numeln])
@@ -24,9 +24,11 @@ r_i`` keeps the gradient layout contract; a gradient that is not dense is reshap
 copy) and comes back contiguous. With a ``comm_dtype`` each gradient is cast before its
 division, and the reduced buffer cast back after the wait.
 
-``divisor`` is the 0-d tensor from the group's ``plan_guard`` (plan_check.py, scaling.py): the world
-size for ``avg``, 1 for ``sum`` and for a comm hook's bucket. The division happens
-before the sum, as in eager DDP, so low-precision gradients do not overflow.
+``divisor`` and ``checked`` are the 0-d divisors from the group's ``plan_divisor`` and
+``plan_guard`` (guard.py; the same value, the second after the cross-rank plan check;
+``gn`` is the last gradient to be ready): the world size for ``avg``, 1 for ``sum`` and
+for a comm hook's bucket. The division happens before the sum, as in eager DDP, so
+low-precision gradients do not overflow.
 """
 
 from __future__ import annotations
@@ -51,21 +53,25 @@ def fuse_concat(
     make: NodeMaker,
     bucket: Bucket,
     after: torch.fx.Node,
-    divisor: torch.fx.Node,
+    divisors: tuple[torch.fx.Node, torch.fx.Node],
+    last: GradAllReduce,
     label: str,
     group_name: str | None = None,
 ) -> FusedBucket:
-    """``label``: the bucket's name (``bucket<i>``), which its nodes' names start with.
+    """``divisors``: (divisor, checked divisor): ``last``, the bucket's last-ready
+    gradient, is scaled by the checked one, the others by the other (guard.py).
+    ``label``: the bucket's name (``bucket<i>``), which its nodes' names start with.
     ``group_name``: the group the bucket's collective goes to, if not the bucket's own
     (a comm hook's, see comm_hooks.py)."""
     key = bucket.key
+    divisor, checked = divisors
     with make.graph.inserting_before(after.next):
         flats = []
         for g in bucket.grads:
             flat = _flatten(make, g)
             if key.comm_dtype is not None:
                 flat = make(prims.convert_element_type.default, (flat, key.comm_dtype))
-            flats.append(make(aten.div.Tensor, (flat, divisor)))
+            flats.append(make(aten.div.Tensor, (flat, checked if g is last else divisor)))
         flat = make(aten.cat.default, (flats,), name=f"{label}_cat")
         collective = make(c10d.all_reduce.default, (flat, "sum", group_name or key.group_name),
                           name=f"{label}_all_reduce")

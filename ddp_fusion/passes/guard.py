@@ -1,19 +1,22 @@
 """The per-step cross-rank plan check, in two parts (see ddp_fusion/plan_check.py)::
 
-    token = ddp_fusion.plan_check_start('0', '<this group's bucket plan as JSON>', cpu)
-    ...                                                 # backward compute
-    flat = cat([...])                                   # concat.py / coalesced.py
-    divisor = ddp_fusion.plan_guard(token, '0', '<plan>', 'avg', cpu)
-    flat = div(flat, divisor)
+    token   = ddp_fusion.plan_check_start('0', '<this group's bucket plan as JSON>', cpu)
+    divisor = ddp_fusion.plan_divisor('0', 'avg', cpu)          # does not wait
+    ...                                                         # backward compute
+    g1 / divisor, ..., g(n-1) / divisor                         # fused into their kernels
+    checked = ddp_fusion.plan_guard(token, '0', '<plan>', 'avg', cpu)   # waits
+    gn / checked                                                # the bucket's last gradient
+    flat = cat([...]); all_reduce(flat)                         # concat.py / coalesced.py
 
-one start per process group at graph start, one guard per (group, reduce op) just
-before the first bucket that uses it.
+one start (and divisor) per process group at graph start, one guard per (group, reduce
+op): each bucket's last-ready gradient is scaled by the guard's divisor, so no
+collective of the group can be issued before the check, and the guard's wait comes
+where the group's first bucket is issued (``place_guards``), not at the start of
+backward.
 
-Every run checks that every rank of the group runs the same plan, and returns the
-divisor read at run time (ddp_fusion/scaling.py): the graph holds no group size, so a
-cached or reused graph stays correct at another world size. The divisor makes every
-bucket of the group depend on the guard, so no collective can be issued before the
-check.
+Every run checks that every rank of the group runs the same plan; both divisors are read
+at run time (ddp_fusion/scaling.py): the graph holds no group size, so a cached or
+reused graph stays correct at another world size.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.fx
 
 from ..plan import BucketPlan
-from ..plan_check import PLAN_CHECK_START, PLAN_GUARD
+from ..plan_check import PLAN_CHECK_START, PLAN_DIVISOR, PLAN_GUARD
 from ._graph import NodeMaker
 from .bucketing import Bucket
 
@@ -35,13 +38,15 @@ def group_plans(plan: BucketPlan) -> dict[str, str]:
     return {group: plan.of_group(group).to_json() for group in plan.groups}
 
 
-def insert_plan_guards(
-    make: NodeMaker, buckets: list[Bucket], plans: dict[str, str]
-) -> dict[tuple[str, str, torch.device], torch.fx.Node]:
-    """At graph start, one ``plan_check_start`` per group; guard nodes keyed by (group
-    name, reduce op, device), to be moved before their first user by ``place_guards``.
+Divisors = dict[tuple[str, str, torch.device], tuple[torch.fx.Node, torch.fx.Node]]
+
+
+def insert_plan_guards(make: NodeMaker, buckets: list[Bucket], plans: dict[str, str]) -> Divisors:
+    """At graph start, one ``plan_check_start`` per group; for each (group name, reduce
+    op, device), the divisor node (``plan_divisor``, no wait) and the guard node (the
+    checked divisor, to be moved before its first user by ``place_guards``).
     ``plans``: each group's plan (:func:`group_plans`)."""
-    guards: dict[tuple[str, str, torch.device], torch.fx.Node] = {}
+    guards: Divisors = {}
     starts: dict[str, torch.fx.Node] = {}
     placeholders = make.graph.find_nodes(op="placeholder")
     start = placeholders[-1].next if placeholders else next(iter(make.graph.nodes))
@@ -53,16 +58,18 @@ def insert_plan_guards(
                 continue
             if group not in starts:
                 starts[group] = make(PLAN_CHECK_START, (group, plans[group], b.key.device))
-            guards[k] = make(
-                PLAN_GUARD, (starts[group], group, plans[group], b.key.reduce_op, b.key.device)
+            guards[k] = (
+                make(PLAN_DIVISOR, (group, b.key.reduce_op, b.key.device)),
+                make(PLAN_GUARD, (starts[group], group, plans[group], b.key.reduce_op, b.key.device)),
             )
     return guards
 
 
 def place_guards(graph: torch.fx.Graph, guards: list[torch.fx.Node]) -> None:
     """Move each guard (its only input is the start's token) to just before its first
-    user: its wait then comes after the backward compute that hides the all-gather,
-    instead of blocking the host at graph start until the slowest rank gets there."""
+    user (the first bucket's last gradient's scaling): its wait then comes after the
+    backward compute that hides the all-gather, instead of blocking the host at graph
+    start until the slowest rank gets there."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     for guard in guards:
         first = min(guard.users, key=order.__getitem__)
