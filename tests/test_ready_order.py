@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import ddp_fusion
-from ddp_fusion import effects
+from ddp_fusion import effects, ready_order
 
 pytestmark = pytest.mark.usefixtures("fake_pg")
 
@@ -109,6 +109,7 @@ def test_gradients_of_a_wrapper_that_never_learned_are_reported(caplog):
     still tag the gradients, with no ready order; the pass says it uses graph order."""
     torch._dynamo.reset()
     counters.clear()
+    ready_order._warned.clear()  # warned once per reason: another test may have seen it
     with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(enabled=True):
         effects.want(effects.COMPILED_AUTOGRAD)
         wrapper = ddp_fusion.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4)))

@@ -25,6 +25,8 @@ UNCHECKED = {
                               "learning the ready order, whose failure is caught and logged",
     "_compiled_call_impl": "set by nn.Module.compile() (None until then); read with getattr "
                            "and a default",
+    "_torchdynamo_orig_callable": "set on every function torch.compile returns; only tested "
+                                  "for with hasattr",
 }
 
 
@@ -105,14 +107,20 @@ def concrete_int(x: Any) -> int:
 
 
 def holds_compiled_code(module: Any) -> bool:
-    """Whether ``module`` or a submodule is compiled (``torch.compile(module)``, or
-    ``module.compile()``): then calling it runs compiled code."""
+    """Whether ``module`` or a submodule is compiled (``torch.compile(module)``,
+    ``module.compile()``) or holds a compiled function in place of a method (Lightning
+    compiles a LightningModule by replacing its ``forward`` and ``training_step`` with
+    ``torch.compile``'d functions): then calling it runs compiled code."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-        for m in module.modules()
-    )
+    def compiled(m: Any) -> bool:
+        return (
+            isinstance(m, OptimizedModule)
+            or getattr(m, "_compiled_call_impl", None) is not None
+            or any(hasattr(v, "_torchdynamo_orig_callable") for v in vars(m).values() if callable(v))
+        )
+
+    return any(compiled(m) for m in module.modules())
 
 
 def current_compile_id() -> str | None:
