@@ -53,6 +53,17 @@ class Config:
     ``max_in_flight_gb``). None: no bound. Env: ``DDP_FUSION_MAX_IN_FLIGHT_MB``
     (a number, or ``none``)."""
 
+    bucket_cap_mb: str | None = None
+    """``"auto"``: every torch DDP adopted under the flag gets bucket limits chosen for
+    the link and the backward (autocap.py) instead of its ``bucket_cap_mb`` /
+    ``bucket_cap_mb_list`` (the wrapper takes ``bucket_cap_mb="auto"`` itself). None:
+    DDP's own arguments. Env: ``DDP_FUSION_BUCKET_CAP_MB``."""
+
+    link: tuple[float, float] | None = None
+    """For ``bucket_cap_mb="auto"``: the link as ``(latency in microseconds, bandwidth
+    in GB/s)`` of one all-reduce, instead of measuring it at the first compiled step.
+    Env: ``DDP_FUSION_LINK`` (``"latency_us,gbytes_per_s"``)."""
+
     dump_dir: str | None = None
     """Write ``<stem>.before.txt``, ``<stem>.after.txt`` and ``<stem>.buckets.json`` here
     for every graph the pass changes. None: no dumps. Env: ``DDP_FUSION_DUMP_DIR``."""
@@ -122,6 +133,31 @@ def _algorithm(name: str, value: Any) -> str:
     return value
 
 
+def _auto_cap(name: str, value: Any) -> str | None:
+    if value is not None and value != "auto":
+        raise ValueError(
+            f"ddp_fusion.config.{name} must be 'auto' or None (then each DDP's own "
+            f"bucket_cap_mb applies), got {value!r}"
+        )
+    return value
+
+
+def _link(name: str, value: Any) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    ok = (
+        isinstance(value, (tuple, list)) and len(value) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+        and value[0] >= 0 and value[1] > 0
+    )
+    if not ok:
+        raise ValueError(
+            f"ddp_fusion.config.{name} must be (latency in microseconds >= 0, bandwidth in "
+            f"GB/s > 0) or None, got {value!r}"
+        )
+    return (float(value[0]), float(value[1]))
+
+
 def _dump_dir(name: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -176,6 +212,8 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "algorithm": _algorithm,
     "schedule_waits": _bool,
     "max_in_flight_mb": _megabytes,
+    "bucket_cap_mb": _auto_cap,
+    "link": _link,
     "dump_dir": _dump_dir,
     "backward_compile_kwargs": _compile_kwargs,
 }
@@ -214,6 +252,18 @@ def from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[st
         except ValueError:
             raise ValueError(f"environment variable {var} must be a positive number of MiB or "
                              f"'none', got {raw!r}") from None
+    if environ.get("DDP_FUSION_BUCKET_CAP_MB"):
+        raw = environ["DDP_FUSION_BUCKET_CAP_MB"].strip()
+        if raw != "auto":
+            raise ValueError(f"environment variable DDP_FUSION_BUCKET_CAP_MB must be 'auto', got {raw!r}")
+        values["bucket_cap_mb"] = raw
+    if environ.get("DDP_FUSION_LINK"):
+        var, raw = "DDP_FUSION_LINK", environ["DDP_FUSION_LINK"]
+        try:
+            values["link"] = _link("link", tuple(float(v) for v in raw.split(",")))
+        except ValueError:
+            raise ValueError(f"environment variable {var} must be 'latency_us,gbytes_per_s' "
+                             f"(e.g. '30,12.5'), got {raw!r}") from None
     if environ.get("DDP_FUSION_DUMP_DIR"):
         values["dump_dir"] = environ["DDP_FUSION_DUMP_DIR"]
     if environ.get("DDP_FUSION_BACKWARD_COMPILE_KWARGS"):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _torch, comm_hooks, effects, join, ready_order
+from . import _torch, autocap, comm_hooks, effects, join, ready_order
 from .config import config
 from .log import log
 from .ops import ALL_REDUCE_GRADIENT, HOOK
@@ -186,14 +186,27 @@ def _has_dynamic_shapes(inputs: Any) -> bool:
 
 
 def _learn_ready_order(sync: GradSync, inputs: Any) -> None:
+    """The ready order (with ``bucket_cap_mb="auto"``: and the bucket limits, autocap.py),
+    group rank 0's."""
+    order, choice = None, None
+    # every rank measures the link together, whatever else happens
+    link = autocap.link_of(sync.group, sync.device) if sync.auto else None
     try:
         args, kwargs = inputs()
     except Exception as e:  # noqa: BLE001 - an argument Dynamo cannot give
         ready_order.graph_order(f"forward arguments: {e}")
-        order = None
     else:
-        order = ready_order.learn(sync.module, sync.names, args, kwargs)
-    order = _from_rank0(order, sync.group)
+        if link is not None:
+            sizes = [_torch.tensors.local_tensor(p.detach()).nbytes for _, p in sync.params]
+            decided = autocap.decide(sync.module, sync.names, sizes, *link, sync.model_id, args, kwargs)
+            if decided is not None:
+                order, choice = decided
+        if order is None:
+            order = ready_order.learn(sync.module, sync.names, args, kwargs)
+    order, choice = _from_rank0((order, choice), sync.group)
+    if choice is not None:
+        sync.limits[:] = choice.limits  # the hooks' and the eager reducer's limits
+        sync.sizing = choice
     state = sync.state
     if order is not None:
         position = [0] * len(sync.names)
@@ -281,10 +294,13 @@ class GradSync:
         module: the module whose parameters are reduced.
         params: ``(name, parameter)`` of the parameters to reduce, in module order.
         group: the data-parallel process group.
-        limits: bucket byte limits (``plan.ddp_bucket_limits``).
+        limits: bucket byte limits (``plan.ddp_bucket_limits``); with ``auto``, the
+            start (DDP's default), changed in place at the first compiled forward.
         comm_dtype: all-reduce in this dtype, or None.
         find_unused_parameters, gradient_as_bucket_view: torch DDP's arguments.
         who: the model's name in error messages.
+        auto: ``bucket_cap_mb="auto"``: choose the limits for the link and the backward
+            at the first compiled forward (autocap.py).
     """
 
     def __init__(
@@ -298,6 +314,7 @@ class GradSync:
         find_unused_parameters: bool,
         who: str,
         gradient_as_bucket_view: bool = False,
+        auto: bool = False,
     ) -> None:
         _torch.check_torch()
         for name, p in params:
@@ -329,6 +346,9 @@ class GradSync:
         # parameter names DDP was told to ignore (torch DDP's parameters_to_ignore)
         self.ignored: set[str] = set()
         self.state = SyncState(comm_dtype)
+        self.limits = limits
+        self.auto = auto
+        self.sizing: autocap.Choice | None = None  # what "auto" chose, and why
         if find_unused_parameters:
             # Eager DDP never rebuilds its buckets with this flag: they stay in reverse
             # parameter order (the eager reducer's order too); nothing to learn.

@@ -19,6 +19,7 @@ logged once and counted in ``counters["ddp_fusion"]["ready order: graph's"]``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -64,16 +65,7 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
             fake_args, fake_kwargs = _torch.tensors.tree_map(fake, (args, kwargs))
             with mode:
                 out = torch.func.functional_call(module, state, fake_args, fake_kwargs)
-                losses = [
-                    o.sum() for o in _torch.tensors.tree_leaves(out)
-                    if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
-                ]
-                if not losses:
-                    raise ValueError(
-                        "the model's output holds no floating-point tensor that requires "
-                        f"grad where torch.utils._pytree can see it ({type(out).__name__})"
-                    )
-                torch.stack(losses).sum().backward()
+                _loss_of(out).backward()
     finally:
         _running -= 1
         _restore(saved)
@@ -82,6 +74,79 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
         raise RuntimeError(f"the forward left fake tensors in the model: {', '.join(leaked[:5])}")
     seen = set(order)
     return order + [i for i in reversed(range(len(names))) if i not in seen]
+
+
+def timed_ready_order(module: torch.nn.Module, names: list[str], args: Any,
+                      kwargs: Any) -> tuple[list[int], list[float]] | None:
+    """Eager autograd's ready order, as :func:`eager_ready_order`, and when each of
+    those gradients became ready (seconds from the start of backward), from a real
+    forward and backward of ``module`` (the second of two: the first warms up) on inputs
+    shaped like ``args``/``kwargs`` (which may be fake: floating-point inputs become
+    random, integer ones zeros). Parameters are the real ones but no ``.grad`` is
+    written (``autograd.grad``); buffers are copies; the module's state is restored.
+    None (logged, counted) if the model cannot run so."""
+    index = {n: i for i, n in enumerate(names)}
+    stamps: dict[int, float] = {}
+
+    def real(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = [_torch.dynamo.concrete_int(s) for s in t.shape]
+        device = getattr(t, "fake_device", t.device)
+        if t.is_floating_point() or t.is_complex():
+            return torch.randn(shape, dtype=t.dtype, device=device)
+        return torch.zeros(shape, dtype=t.dtype, device=device)
+
+    global _running
+    saved = _snapshot(module)
+    _running += 1
+    try:
+        with _torch.compiled_autograd.disabled(), torch.enable_grad(), \
+                _torch.dynamo.run_compiled_code_eagerly():
+            params = dict(module.named_parameters())
+            state = {**params, **{n: b.detach().clone() for n, b in module.named_buffers()}}
+            timed = [(index[n], p) for n, p in params.items() if n in index and p.requires_grad]
+            real_args, real_kwargs = _torch.tensors.tree_map(real, (args, kwargs))
+            for _ in range(2):
+                stamps.clear()
+                out = torch.func.functional_call(module, state, real_args, real_kwargs)
+                handles = [p.register_hook(_stamp(stamps, i)) for i, p in timed]
+                try:
+                    start = time.perf_counter()
+                    torch.autograd.grad(_loss_of(out), [p for _, p in timed], allow_unused=True)
+                finally:
+                    for h in handles:
+                        h.remove()
+    except Exception as e:  # noqa: BLE001 - any failure means: DDP's caps
+        graph_order(f"timing run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return None
+    finally:
+        _running -= 1
+        _restore(saved)
+    order = sorted(stamps, key=stamps.__getitem__)
+    end = max(stamps.values(), default=start) - start
+    order += [i for i in reversed(range(len(names))) if i not in stamps]
+    return order, [stamps[i] - start if i in stamps else end for i in order]
+
+
+def _stamp(stamps: dict[int, float], i: int) -> Any:
+    def hook(grad: torch.Tensor) -> None:
+        stamps.setdefault(i, time.perf_counter())
+
+    return hook
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    losses = [
+        o.sum() for o in _torch.tensors.tree_leaves(out)
+        if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
+    ]
+    if not losses:
+        raise ValueError(
+            "the model's output holds no floating-point tensor that requires "
+            f"grad where torch.utils._pytree can see it ({type(out).__name__})"
+        )
+    return torch.stack(losses).sum()
 
 
 _running = 0

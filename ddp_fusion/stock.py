@@ -44,7 +44,10 @@ from typing import Any
 from torch import nn
 
 from . import _torch, ready_order
+from .autocap import AUTO
+from .config import config
 from .grad_sync import GradSync
+from .log import log
 from .plan import ddp_bucket_limits
 
 WHO = "torch.nn.parallel.DistributedDataParallel (ddp_fusion)"
@@ -98,7 +101,17 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
             )
     if not params:
         return  # torch DDP has already refused this; nothing to reduce
-    limits = ddp_bucket_limits(arguments.get("bucket_cap_mb"), arguments.get("bucket_cap_mb_list"))
+    find_unused = bool(arguments.get("find_unused_parameters"))
+    auto = config.bucket_cap_mb == AUTO
+    if auto and find_unused:
+        log.warning(
+            "ddp_fusion: config.bucket_cap_mb='auto' does not plan for a DDP with "
+            "find_unused_parameters=True (its buckets keep the parameters' reverse order); "
+            "this one keeps its own bucket caps"
+        )
+        auto = False
+    limits = (ddp_bucket_limits() if auto else
+              ddp_bucket_limits(arguments.get("bucket_cap_mb"), arguments.get("bucket_cap_mb_list")))
     sync = GradSync(
         ddp,
         module,
@@ -106,9 +119,10 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
         ddp.process_group,
         limits,
         None,
-        bool(arguments.get("find_unused_parameters")),
+        find_unused,
         WHO,
         bool(arguments.get("gradient_as_bucket_view")),
+        auto,
     )
     _torch.ddp.detach_cpp_reducer(ddp)
     ddp._ddp_fusion = sync

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from . import _torch
+from .autocap import AUTO
 from .grad_sync import GradSync, broadcast
 from .ops import default_group
 from .plan import ddp_bucket_limits
@@ -52,13 +53,16 @@ class DistributedDataParallel(nn.Module, Joinable):
     afresh each step; nothing is copied back), whatever ``gradient_as_bucket_view``
     says. Uncompiled, ``gradient_as_bucket_view=True`` makes ``.grad`` views of the
     eager reducer's persistent buckets, as in torch DDP.
+
+    ``bucket_cap_mb="auto"`` chooses the bucket limits for the link and the backward at
+    the first compiled forward (autocap.py); the choice is in ``.bucket_sizing``.
     """
 
     def __init__(
         self,
         module: nn.Module,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = None,
+        bucket_cap_mb: float | str | None = None,
         bucket_cap_mb_list: Sequence[float] | None = None,
         *,
         device_mesh: Any = None,
@@ -114,7 +118,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.comm_dtype = comm_dtype or reduce_dtype
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_mb_list = None if bucket_cap_mb_list is None else list(bucket_cap_mb_list)
-        self.bucket_bytes_limits = ddp_bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
+        auto = bucket_cap_mb == AUTO
+        if auto and bucket_cap_mb_list is not None:
+            raise ValueError("give bucket_cap_mb='auto' or bucket_cap_mb_list, not both")
+        if auto and find_unused_parameters:
+            raise ValueError(
+                "bucket_cap_mb='auto' with find_unused_parameters=True is not supported (its "
+                "buckets keep the parameters' reverse order, for which 'auto' does not plan)"
+            )
+        # with "auto": DDP's default until the first compiled forward chooses (autocap.py)
+        self.bucket_bytes_limits = ddp_bucket_limits(None if auto else bucket_cap_mb, bucket_cap_mb_list)
 
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not params:
@@ -144,6 +157,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters,
             "DistributedDataParallel",
             gradient_as_bucket_view,
+            auto,
         )
         # Hooks hold no reference to the wrapper; once it is garbage, they go with it,
         # and the bare module trains locally again.
@@ -153,6 +167,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._params = params
         me_ = weakref.ref(self)
         self._sync.buffers_of = lambda: _wrapper_buffers(me_())
+
+    @property
+    def bucket_sizing(self) -> Any:
+        """With ``bucket_cap_mb="auto"``: what was chosen and why (an ``autocap.Choice``),
+        once the first compiled forward has run; else None."""
+        return self._sync.sizing
 
     @property
     def require_backward_grad_sync(self) -> bool:

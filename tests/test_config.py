@@ -34,7 +34,8 @@ from ddp_fusion.config import Config, from_env
     "name, value",
     [("enabled", 1), ("enabled", "yes"), ("algorithm", "ring"), ("schedule_waits", None),
      ("dump_dir", 3), ("dump_dir", ""), ("max_in_flight_mb", 0), ("max_in_flight_mb", "5"),
-     ("max_in_flight_mb", float("inf"))],
+     ("max_in_flight_mb", float("inf")), ("bucket_cap_mb", 25), ("bucket_cap_mb", "AUTO"),
+     ("link", (30,)), ("link", (30, 0)), ("link", (-1, 10)), ("link", "30,10")],
 )
 def test_bad_value_names_the_setting(name, value):
     with pytest.raises(ValueError, match=f"^ddp_fusion.config.{name} must be "):
@@ -57,6 +58,8 @@ def test_unknown_setting():
         ({"DDP_FUSION_DUMP_DIR": "/tmp/d"}, {"dump_dir": "/tmp/d"}),
         ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "64"}, {"max_in_flight_mb": 64.0}),
         ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "None"}, {"max_in_flight_mb": None}),
+        ({"DDP_FUSION_BUCKET_CAP_MB": "auto"}, {"bucket_cap_mb": "auto"}),
+        ({"DDP_FUSION_LINK": "30,12.5"}, {"link": (30.0, 12.5)}),
         ({}, {}),
     ],
 )
@@ -69,7 +72,10 @@ def test_env(env, expected):
     [({"DDP_FUSION": "maybe"}, "DDP_FUSION"),
      ({"DDP_FUSION_ALGORITHM": "tree"}, "DDP_FUSION_ALGORITHM"),
      ({"DDP_FUSION_SCHEDULE_WAITS": "2"}, "DDP_FUSION_SCHEDULE_WAITS"),
-     ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "-1"}, "DDP_FUSION_MAX_IN_FLIGHT_MB")],
+     ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "-1"}, "DDP_FUSION_MAX_IN_FLIGHT_MB"),
+     ({"DDP_FUSION_BUCKET_CAP_MB": "25"}, "DDP_FUSION_BUCKET_CAP_MB"),
+     ({"DDP_FUSION_LINK": "30"}, "DDP_FUSION_LINK"),
+     ({"DDP_FUSION_LINK": "fast,slow"}, "DDP_FUSION_LINK")],
 )
 def test_bad_env_names_the_variable(env, var):
     with pytest.raises(ValueError, match=var):

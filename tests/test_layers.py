@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [  # L0, L1, ...: as CONTRIBUTING.md draws it
     {"log", "effects", "scaling"},
     {"plan"},
     {"ops", "dump", "comm_hooks", "ready_order"},
-    {"plan_check"},
+    {"plan_check", "autocap"},
     {"passes", "reducer"},
     {"join"},
     {"grad_sync"},

@@ -126,15 +126,18 @@ class UpstreamPythonReducer(Mode):
 
 class DDPFusion(Mode):
     """``torch.compile(ddp_fusion.DistributedDataParallel(...))`` with ``algorithm``, a
-    communication dtype, and an in-flight budget (``max_in_flight_mb``)."""
+    communication dtype, an in-flight budget (``max_in_flight_mb``), and
+    ``bucket_cap_mb="auto"`` (``auto``: the job's cap is ignored)."""
 
     def __init__(self, algorithm: str, comm_dtype: torch.dtype | None = None,
-                 max_in_flight_mb: float | None = None) -> None:
+                 max_in_flight_mb: float | None = None, auto: bool = False) -> None:
         self.algorithm = algorithm
         self.comm_dtype = comm_dtype
         self.max_in_flight_mb = max_in_flight_mb
+        self.auto = auto
         suffix = f"_{_short(comm_dtype)}" if comm_dtype else ""
         suffix += f"_inflight_{max_in_flight_mb:g}mb" if max_in_flight_mb else ""
+        suffix += "_auto" if auto else ""
         self.name = f"ddp_fusion_{algorithm}{suffix}"
         # a low-precision wire changes the numbers: compare with eager DDP + the same
         # hook (fp16; torch's bf16 hook does not run on gloo: no reference)
@@ -150,7 +153,8 @@ class DDPFusion(Mode):
 
     def wrap(self, model, cap, pg=None, **kw):
         return torch.compile(ddp_fusion.DistributedDataParallel(
-            model, process_group=pg, bucket_cap_mb=cap, comm_dtype=self.comm_dtype, **kw))
+            model, process_group=pg, bucket_cap_mb="auto" if self.auto else cap,
+            comm_dtype=self.comm_dtype, **kw))
 
 
 class DDPFusionStock(Mode):
@@ -284,6 +288,7 @@ def all_modes() -> dict[str, Mode]:
         DDPFusion("concat", torch.float16, max_in_flight_mb=1),
         DDPFusion("concat", torch.bfloat16),
         DDPFusion("coalesced", torch.float16),
+        DDPFusion("concat", auto=True),
         DDPFusionStock(),
         DDPFusionUncompiled(),
         EagerDDPFp16Hook(),

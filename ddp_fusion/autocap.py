@@ -1,0 +1,198 @@
+"""``bucket_cap_mb="auto"``: bucket limits chosen for the link and the backward.
+
+DDP's default caps (a 1 MiB first bucket, then 25 MiB) are a guess made for one kind of
+cluster. With ``"auto"``, the first time the model's forward runs compiled, ddp_fusion
+measures the two things that decide how much communication a bucket plan can hide:
+
+* the link: ``alpha`` (a collective's fixed cost) and ``beta`` (its cost per byte), fitted
+  to all-reduces of a few sizes on the model's process group, or taken from
+  ``config.link``;
+* the backward: when each gradient becomes ready, from one eager forward and backward
+  of the model on inputs shaped like the real ones (real parameters, no ``.grad``
+  written, buffers restored), which also gives eager autograd's ready order.
+
+Then it predicts each candidate plan's exposed communication with the same model of
+the link everywhere (buckets in DDP's order, each issued when its last gradient is
+ready and the link is free, taking ``alpha + beta * bytes``; what finishes after the
+last gradient is exposed), over uniform caps and a 1 MiB first bucket followed by
+them, and keeps DDP's default unless another plan is predicted to expose less by more
+than 2 % of the backward (the model is rough; a tie keeps torch's choice). Caps above
+``config.max_in_flight_mb`` are not considered. Group rank 0's choice is broadcast, so
+every rank runs the same plan (which the plan check verifies); it is made once per
+model and holds for every graph the model compiles. It is logged at INFO with the
+measured ``alpha``, ``beta`` and backward time and the predicted exposed communication
+of the default and the chosen plan, and written to ``config.dump_dir`` as
+``rank<R>_autocap_<model id>.json``.
+
+Only the data-parallel buckets are sized: tensor-parallel collectives in the model are
+not ddp_fusion's and run in the timing run as they would in a step. A model that never
+runs compiled uses DDP's default caps (the eager reducer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _torch, ready_order
+from .config import config
+from .log import log
+from .plan import DEFAULT_BUCKET_CAP_MB, MiB, split_by_rule
+
+AUTO = "auto"
+#: Candidate caps (MiB), uniform or after a 1 MiB first bucket.
+CAPS_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
+#: Keep DDP's default unless another plan saves more than this share of the backward.
+MARGIN = 0.02
+#: Sizes (bytes) of the all-reduces that measure the link; repetitions of each.
+PROBE_BYTES = (1 << 16, 1 << 20, 1 << 23)
+PROBE_REPS = 3
+
+
+@dataclasses.dataclass
+class Link:
+    """A collective of ``n`` bytes on the link takes ``alpha + beta * n`` seconds."""
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
+
+
+@dataclasses.dataclass
+class Choice:
+    """What ``"auto"`` chose, and why."""
+
+    limits: list[int]
+    link: Link
+    backward_s: float
+    exposed_default_s: float
+    exposed_chosen_s: float
+    buckets_default: int
+    buckets_chosen: int
+    measured_link: bool
+
+    def describe(self) -> str:
+        return (
+            f"bucket caps {[round(c / MiB, 3) for c in self.limits]} MiB "
+            f"({self.buckets_chosen} buckets; DDP's default: {self.buckets_default}); link "
+            f"alpha {1e6 * self.link.alpha:.0f} us, beta {_gbps(self.link.beta):.2f} GB/s "
+            f"({'measured' if self.measured_link else 'config.link'}); backward "
+            f"{1e3 * self.backward_s:.1f} ms; predicted exposed communication "
+            f"{1e3 * self.exposed_chosen_s:.2f} ms (DDP's default caps: "
+            f"{1e3 * self.exposed_default_s:.2f} ms)"
+        )
+
+
+def _gbps(beta: float) -> float:
+    return float("inf") if beta <= 0 else 1e-9 / beta
+
+
+def default_limits() -> list[int]:
+    return [_torch.ddp.DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MiB]
+
+
+def predict(sizes: Sequence[int], ready: Sequence[float], backward_s: float,
+            limits: Sequence[int], link: Link) -> tuple[float, int]:
+    """Exposed communication (seconds) and bucket count of DDP's buckets under
+    ``limits``, for gradients of ``sizes`` bytes ready at ``ready`` seconds into a
+    backward of ``backward_s`` seconds, in the order given (ready order)."""
+    buckets = split_by_rule(range(len(sizes)), sizes.__getitem__, limits)
+    free = 0.0  # when the link is next free
+    for bucket in buckets:
+        start = max(free, max(ready[i] for i in bucket))
+        free = start + link.time(sum(sizes[i] for i in bucket))
+    return max(0.0, free - backward_s), len(buckets)
+
+
+def choose(sizes: Sequence[int], ready: Sequence[float], backward_s: float, link: Link,
+           max_in_flight: int | None = None, measured_link: bool = True) -> Choice:
+    """The limits to use (see the module docstring), for gradients in ready order."""
+    default = default_limits()
+    exposed_default, n_default = predict(sizes, ready, backward_s, default, link)
+    candidates = [[int(c * MiB)] for c in CAPS_MB]
+    candidates += [[MiB, int(c * MiB)] for c in CAPS_MB if c > 1]
+    if max_in_flight is not None:
+        candidates = [c for c in candidates if max(c) <= max_in_flight]
+    best, exposed_best, n_best = default, exposed_default, n_default
+    for limits in candidates:
+        exposed, n = predict(sizes, ready, backward_s, limits, link)
+        if exposed < exposed_best - 1e-9 or (abs(exposed - exposed_best) <= 1e-9 and n < n_best):
+            best, exposed_best, n_best = limits, exposed, n
+    if exposed_default - exposed_best <= MARGIN * backward_s:
+        best, exposed_best, n_best = default, exposed_default, n_default
+    return Choice(list(best), link, backward_s, exposed_default, exposed_best, n_default, n_best,
+                  measured_link)
+
+
+def measure_link(group: dist.ProcessGroup, device: torch.device) -> Link:
+    """``alpha`` and ``beta`` fitted (least squares) to the median time of all-reduces
+    of :data:`PROBE_BYTES` on ``group`` (every rank must call it)."""
+    xs, ys = [], []
+    for nbytes in PROBE_BYTES:
+        t = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(t, group=group)  # warm-up: connections, buffers
+        times = []
+        for _ in range(PROBE_REPS):
+            _sync(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        xs.append(float(nbytes))
+        ys.append(statistics.median(times))
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    beta = max(beta, 1e-13)
+    return Link(max(my - beta * mx, 0.0), beta)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def link_of(group: dist.ProcessGroup, device: torch.device) -> tuple[Link, bool]:
+    """``config.link`` (latency in microseconds, bandwidth in GB/s), else the link
+    measured now (every rank of ``group`` must call it then); and whether measured."""
+    if config.link is None:
+        return measure_link(group, device), True
+    latency_us, gbytes_per_s = config.link
+    return Link(latency_us * 1e-6, 1e-9 / gbytes_per_s), False
+
+
+def decide(module: torch.nn.Module, names: list[str], local_sizes: list[int], link: Link,
+           measured_link: bool, model_id: int, args: Any,
+           kwargs: Any) -> tuple[list[int], Choice] | None:
+    """Eager autograd's ready order (indices into ``names``) and the chosen limits, from
+    a timed eager run on inputs like ``args``/``kwargs``; None if the model cannot run
+    so (logged; DDP's caps then)."""
+    timed = ready_order.timed_ready_order(module, names, args, kwargs)
+    if timed is None:
+        return None
+    order, ready = timed  # ready[k]: when gradient order[k] became ready
+    sizes = [local_sizes[i] for i in order]
+    backward_s = max(ready, default=0.0)
+    budget = None if config.max_in_flight_mb is None else int(config.max_in_flight_mb * MiB)
+    choice = choose(sizes, ready, backward_s, link, budget, measured_link)
+    _show(choice, model_id)
+    return order, choice
+
+
+def _show(choice: Choice, model_id: int) -> None:
+    log.info("ddp_fusion: bucket_cap_mb='auto' for model %d: %s", model_id, choice.describe())
+    if config.dump_dir:
+        os.makedirs(config.dump_dir, exist_ok=True)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        path = os.path.join(config.dump_dir, f"rank{rank}_autocap_{model_id}.json")
+        with open(path, "w") as f:
+            json.dump({**dataclasses.asdict(choice), "summary": choice.describe()}, f, indent=1)

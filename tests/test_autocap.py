@@ -1,0 +1,101 @@
+"""``bucket_cap_mb="auto"`` (ddp_fusion/autocap.py): the plan chosen for a given link
+(alpha, beta) and given gradient ready times, against hand-worked cases; the setting on
+the wrapper, on torch DDP through ``config.bucket_cap_mb``, and refused where it cannot
+plan; and on 2 gloo ranks, one choice for every rank (rank 0's) that trains like eager
+DDP given the same caps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddp_fusion
+from ddp_fusion import autocap
+from ddp_fusion.autocap import Link
+from ddp_fusion.launch import run_ranks
+from ddp_fusion.plan import MiB
+
+from _workers_autocap import auto_caps_against_eager_ddp
+
+# Four 1 MiB gradients ready 10 ms apart; the backward ends at 40 ms.
+SIZES = [MiB] * 4
+READY = [0.010, 0.020, 0.030, 0.040]
+BACKWARD = 0.040
+
+
+def test_predict_by_hand():
+    """Caps of 1 MiB: four buckets, each 1 ms + 5 ms on a link free when it is ready:
+    the last ends at 40 + 6 = 46 ms, 6 ms exposed. One bucket of all four: 1 + 20 ms
+    from 40 ms: 21 ms exposed."""
+    link = Link(alpha=0.001, beta=0.005 / MiB)
+    assert autocap.predict(SIZES, READY, BACKWARD, [MiB], link) == (pytest.approx(0.006), 4)
+    assert autocap.predict(SIZES, READY, BACKWARD, [100 * MiB], link) == (pytest.approx(0.021), 1)
+
+
+def test_a_slow_link_gets_small_buckets_that_start_early():
+    """DDP's default here is one bucket (1 MiB, then the other three: 25 MiB cap) whose
+    three gradients go out at the end; smaller buckets hide all but the last."""
+    link = Link(alpha=0.0001, beta=0.008 / MiB)
+    choice = autocap.choose(SIZES, READY, BACKWARD, link)
+    assert choice.buckets_default == 2 and choice.buckets_chosen == 4
+    assert choice.exposed_chosen_s < choice.exposed_default_s - 0.010  # 8.1 ms against 24.1
+
+
+def test_a_high_latency_link_keeps_few_buckets():
+    """Each collective costs 30 ms: four buckets queue behind each other (134 ms past
+    the backward); one bucket, or DDP's two, cost less."""
+    link = Link(alpha=0.030, beta=0.001 / MiB)
+    choice = autocap.choose(SIZES, READY, BACKWARD, link)
+    assert choice.buckets_chosen <= 2
+
+
+def test_a_small_gain_keeps_ddps_default():
+    """A fast link: every plan hides almost everything; the default stays."""
+    link = Link(alpha=1e-5, beta=1e-4 / MiB)
+    choice = autocap.choose(SIZES, READY, BACKWARD, link)
+    assert choice.limits == autocap.default_limits()
+
+
+def test_caps_above_the_in_flight_budget_are_not_chosen():
+    link = Link(alpha=0.030, beta=0.001 / MiB)
+    choice = autocap.choose(SIZES, READY, BACKWARD, link, max_in_flight=2 * MiB)
+    assert max(choice.limits) <= 2 * MiB or choice.limits == autocap.default_limits()
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_config_auto_reaches_torch_ddp_and_the_choice_is_used(tmp_path):
+    """``config.bucket_cap_mb = "auto"`` with ``config.link`` given: an adopted torch
+    DDP's limits become the choice at its first compiled forward, and the compiled
+    backward reduces in those buckets."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(
+        enabled=True, bucket_cap_mb="auto", link=(10.0, 0.01), dump_dir=str(tmp_path)
+    ):
+        ddp = torch.nn.parallel.DistributedDataParallel(net)
+        torch.compile(ddp)(torch.randn(8, 64)).sum().backward()
+    sync = ddp._ddp_fusion
+    assert sync.sizing is not None and not sync.sizing.measured_link
+    assert sync.limits == sync.sizing.limits
+    assert list(tmp_path.glob("rank0_autocap_*.json"))
+
+
+def test_wrapper_refuses_what_auto_cannot_plan(fake_pg):
+    with pytest.raises(ValueError, match="bucket_cap_mb='auto' or bucket_cap_mb_list, not both"):
+        ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb="auto",
+                                           bucket_cap_mb_list=[1])
+    with pytest.raises(ValueError, match="'auto' with find_unused_parameters=True is not supported"):
+        ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb="auto",
+                                           find_unused_parameters=True)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a non-negative number of MiB"):
+        ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb="big")
+
+
+def test_every_rank_runs_rank_0s_choice_and_trains_like_eager_ddp():
+    results = run_ranks(auto_caps_against_eager_ddp, world_size=2, timeout=600)
+    assert results[0]["limits"] == results[1]["limits"]
+    assert results[0]["link"] == results[1]["link"] and results[0]["measured"]
+    for r in results:
+        assert r["collectives"] == r["eager_collectives"], r
+        assert r["max_diff"] < 1e-5, r
