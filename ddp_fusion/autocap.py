@@ -15,9 +15,12 @@ Then it predicts each candidate plan's exposed communication with the same model
 the link everywhere (buckets in DDP's order, each issued when its last gradient is
 ready and the link is free, taking ``alpha + beta * bytes``; what finishes after the
 last gradient is exposed), over uniform caps and a 1 MiB first bucket followed by
-them, and keeps DDP's default unless another plan is predicted to expose less by more
-than 2 % of the backward (the model is rough; a tie keeps torch's choice). Caps above
-``config.max_in_flight_mb`` are not considered. Group rank 0's choice is broadcast, so
+them. The model leaves out what each collective costs the host (on a CPU with few
+cores, moving the bytes competes with backward for the cores), so it is used
+cautiously: among the plans predicted within :data:`NEAR` of the best, the one with
+the fewest buckets wins, and DDP's default stays unless that plan saves more than
+:data:`MARGIN` of the backward. Caps above ``config.max_in_flight_mb`` are not
+considered. Group rank 0's choice is broadcast, so
 every rank runs the same plan (which the plan check verifies); it is made once per
 model and holds for every graph the model compiles. It is logged at INFO with the
 measured ``alpha``, ``beta`` and backward time and the predicted exposed communication
@@ -50,11 +53,15 @@ from .plan import DEFAULT_BUCKET_CAP_MB, MiB, split_by_rule
 AUTO = "auto"
 #: Candidate caps (MiB), uniform or after a 1 MiB first bucket.
 CAPS_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
-#: Keep DDP's default unless another plan saves more than this share of the backward.
-MARGIN = 0.02
-#: Sizes (bytes) of the all-reduces that measure the link; repetitions of each.
-PROBE_BYTES = (1 << 16, 1 << 20, 1 << 23)
-PROBE_REPS = 3
+#: Keep DDP's default unless the chosen plan saves more than this share of the backward.
+MARGIN = 0.05
+#: Plans predicted within this share of the backward of the best count as as good; the
+#: one with the fewest buckets among them is chosen.
+NEAR = 0.05
+#: Sizes (bytes) of the all-reduces that measure the link; repetitions of each (the
+#: fastest counts: noise only adds).
+PROBE_BYTES = (1 << 17, 1 << 20, 1 << 22)
+PROBE_REPS = 5
 
 
 @dataclasses.dataclass
@@ -123,11 +130,12 @@ def choose(sizes: Sequence[int], ready: Sequence[float], backward_s: float, link
     candidates += [[MiB, int(c * MiB)] for c in CAPS_MB if c > 1]
     if max_in_flight is not None:
         candidates = [c for c in candidates if max(c) <= max_in_flight]
-    best, exposed_best, n_best = default, exposed_default, n_default
-    for limits in candidates:
-        exposed, n = predict(sizes, ready, backward_s, limits, link)
-        if exposed < exposed_best - 1e-9 or (abs(exposed - exposed_best) <= 1e-9 and n < n_best):
-            best, exposed_best, n_best = limits, exposed, n
+    scored = [(limits, *predict(sizes, ready, backward_s, limits, link)) for limits in candidates]
+    lowest = min((exposed for _, exposed, _ in scored), default=exposed_default)
+    near = [s for s in scored if s[1] <= lowest + NEAR * backward_s]
+    # fewest buckets, then least exposed, then the largest caps
+    best, exposed_best, n_best = min(near, key=lambda s: (s[2], s[1], -max(s[0])),
+                                     default=(default, exposed_default, n_default))
     if exposed_default - exposed_best <= MARGIN * backward_s:
         best, exposed_best, n_best = default, exposed_default, n_default
     return Choice(list(best), link, backward_s, exposed_default, exposed_best, n_default, n_best,
@@ -135,8 +143,9 @@ def choose(sizes: Sequence[int], ready: Sequence[float], backward_s: float, link
 
 
 def measure_link(group: dist.ProcessGroup, device: torch.device) -> Link:
-    """``alpha`` and ``beta`` fitted (least squares) to the median time of all-reduces
-    of :data:`PROBE_BYTES` on ``group`` (every rank must call it)."""
+    """``alpha`` and ``beta`` fitted (least squares) to the fastest of
+    :data:`PROBE_REPS` all-reduces of each of :data:`PROBE_BYTES` on ``group`` (every
+    rank must call it)."""
     xs, ys = [], []
     for nbytes in PROBE_BYTES:
         t = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
@@ -149,7 +158,7 @@ def measure_link(group: dist.ProcessGroup, device: torch.device) -> Link:
             _sync(device)
             times.append(time.perf_counter() - t0)
         xs.append(float(nbytes))
-        ys.append(statistics.median(times))
+        ys.append(min(times))
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     beta = max(beta, 1e-13)

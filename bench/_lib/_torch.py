@@ -120,11 +120,12 @@ def restore_legacy_inlinelist() -> Iterator[None]:
             trace_rules.get_legacy_mod_inlinelist.cache_clear()
 
 
-def compiled_autograd() -> contextlib.AbstractContextManager[None]:
-    """Every ``backward()`` through compiled autograd, its graphs compiled by Inductor."""
+def compiled_autograd(dynamic: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Every ``backward()`` through compiled autograd, its graphs compiled by Inductor;
+    ``dynamic``: traced with dynamic sizes (torch's default for this context)."""
     from torch._dynamo import compiled_autograd as ca
 
-    return ca._enable(torch.compile(backend="inductor"))
+    return ca._enable(torch.compile(backend="inductor"), dynamic=dynamic)
 
 
 def isolated_compile() -> contextlib.ExitStack:

@@ -1,0 +1,245 @@
+"""One GPU at world size 1 (NCCL): ddp_fusion's CUDA path, and compiled-autograd
+backward against torch.compile's AOT backward.
+
+    python -m bench.gpu_floors OUT.json [mlp] [gpt] [--small]
+
+For each model (sized for a GPU: MLP 24 x 1024, batch 256; GPT d=768, 6 layers, seq 256,
+batch 8), in one process:
+
+* compute floors, forward and backward timed apart (CUDA-synchronised, median of 50):
+  eager; ``torch.compile`` (AOT backward); ``torch.compile`` + compiled autograd with
+  static sizes (what ddp_fusion uses while shapes are stable) and with dynamic sizes;
+* step time of eager torch DDP, DDPOptimizer and ddp_fusion (concat, coalesced);
+* gradients after one step of ddp_fusion against eager torch DDP (world size 1: the
+  average is the local gradient).
+
+At world size 1 NCCL moves nothing: this measures compute and the cost of the fused
+graph, not communication. It runs on the lent GPU machine's own torch (2.11 there),
+from a checkout on ``PYTHONPATH``. ``--small`` shrinks everything for a CPU smoke run.
+One failing measurement is recorded (its traceback) and the others go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F  # noqa: N812 - torch's own spelling
+
+import ddp_fusion
+from bench._lib import _torch
+from bench._lib.models import GPT, MLP
+
+SPECS = {
+    "gpt": dict(vocab=8192, d=768, heads=12, layers=6, seq=256, batch=8),
+    "mlp": dict(width=1024, depth=24, batch=256),
+}
+SMALL = {
+    "gpt": dict(vocab=500, d=64, heads=2, layers=2, seq=32, batch=2),
+    "mlp": dict(width=64, depth=4, batch=16),
+}
+FLOORS = ("eager", "aot", "ca_static", "ca_dynamic")
+MODES = ("eager_ddp", "ddp_optimizer", "ddp_fusion_concat", "ddp_fusion_coalesced")
+
+
+def _init() -> torch.device:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29577")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+        return dev
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return torch.device("cpu")
+
+
+class Bench:
+    def __init__(self, specs: dict[str, dict[str, int]], device: torch.device, reps: int) -> None:
+        self.specs, self.dev, self.reps = specs, device, reps
+
+    def make(self, name: str) -> nn.Module:
+        torch.manual_seed(0)
+        s = self.specs[name]
+        if name == "gpt":
+            model = GPT(s["vocab"], s["d"], s["heads"], s["layers"], s["seq"])
+        else:
+            model = MLP(s["width"], s["depth"])
+        return model.to(self.dev)
+
+    def batches(self, name: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(1)
+        s, out = self.specs[name], []
+        for _ in range(n):
+            if name == "gpt":
+                ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), generator=gen)
+                out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+            else:
+                out.append((torch.randn(s["batch"], s["width"], generator=gen),
+                            torch.randn(s["batch"], 1, generator=gen)))
+        return [(x.to(self.dev), y.to(self.dev)) for x, y in out]
+
+    def sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(self, fn: Callable[[], None]) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - t0
+
+    def floors(self, name: str) -> dict[str, Any]:
+        """Forward and backward times of the model alone: eager, AOT, compiled autograd."""
+        out = {}
+        x, y = self.batches(name, 1)[0]
+        for kind in FLOORS:
+            torch.compiler.reset()
+            model = self.make(name)
+            compiled = model if kind == "eager" else torch.compile(model)
+            ctx = (_torch.compiled_autograd(dynamic=kind == "ca_dynamic") if kind.startswith("ca_")
+                   else contextlib.nullcontext())
+            holder: dict[str, torch.Tensor] = {}
+
+            def fwd(model: nn.Module = model, compiled: Any = compiled, holder: dict = holder) -> None:
+                for p in model.parameters():
+                    p.grad = None
+                holder["loss"] = loss_of(name, compiled(x), y)
+
+            def bwd(holder: dict = holder) -> None:
+                holder["loss"].backward()
+
+            with ctx:
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    fwd()
+                    bwd()
+                self.sync()
+                warm = time.perf_counter() - t0
+                f, b = [], []
+                for _ in range(self.reps):
+                    f.append(self.timed(fwd))
+                    b.append(self.timed(bwd))
+            out[kind] = {"fwd": summary(f), "bwd": summary(b), "warmup_s": warm}
+            print(name, kind, json.dumps(out[kind]), flush=True)
+        return out
+
+    def wrap(self, mode: str, net: nn.Module) -> nn.Module:
+        if mode == "eager_ddp":
+            return nn.parallel.DistributedDataParallel(net)
+        if mode == "ddp_optimizer":
+            return torch.compile(nn.parallel.DistributedDataParallel(net))
+        ddp_fusion.config.enabled = True
+        ddp_fusion.config.algorithm = mode.removeprefix("ddp_fusion_")
+        return torch.compile(ddp_fusion.DistributedDataParallel(net))
+
+    def train(self, name: str, mode: str, steps: int = 8) -> dict[str, Any]:
+        """Median step time of one data-parallel mode."""
+        torch.compiler.reset()
+        counters = _torch.counters()
+        counters.clear()
+        net = self.make(name)
+        try:
+            model = self.wrap(mode, net)
+            opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+            batches = self.batches(name, steps)
+            index = [0]
+
+            def step() -> None:
+                x, y = batches[index[0] % len(batches)]
+                index[0] += 1
+                opt.zero_grad(set_to_none=True)
+                loss_of(name, model(x), y).backward()
+                opt.step()
+
+            t0 = time.perf_counter()
+            for _ in range(3):
+                step()
+            self.sync()
+            warm = time.perf_counter() - t0
+            times = [self.timed(step) for _ in range(self.reps)]
+            return {"step": summary(times), "warmup_s": warm,
+                    "buckets_per_graph": dict(counters["ddp_fusion"]),
+                    "param_sum": float(sum(p.detach().double().sum() for p in net.parameters()))}
+        finally:
+            ddp_fusion.config.enabled = False
+
+    def first_grads(self, name: str, mode: str) -> list[torch.Tensor]:
+        """Gradients after one step (world size 1: the average is the local gradient)."""
+        torch.compiler.reset()
+        net = self.make(name)
+        try:
+            model = self.wrap(mode, net)
+            x, y = self.batches(name, 1)[0]
+            loss_of(name, model(x), y).backward()
+        finally:
+            ddp_fusion.config.enabled = False
+        return [p.grad.detach().clone() for p in net.parameters()]
+
+
+def loss_of(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if name == "gpt":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return (out - y).square().mean()
+
+
+def summary(ts: list[float]) -> dict[str, float]:
+    ts, n = sorted(ts), len(ts)
+    return {"median_ms": 1e3 * statistics.median(ts), "p10_ms": 1e3 * ts[n // 10],
+            "p90_ms": 1e3 * ts[(9 * n) // 10]}
+
+
+def _record(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
+    try:
+        results[key] = fn()
+    except Exception:  # noqa: BLE001 - one failing measurement must not lose the others
+        results[f"{key}_error"] = traceback.format_exc()[-3000:]
+        print(results[f"{key}_error"], flush=True)
+
+
+def main() -> None:
+    out_path, args = sys.argv[1], sys.argv[2:]
+    small = "--small" in args
+    dev = _init()
+    bench = Bench(SMALL if small else SPECS, dev, reps=5 if small else 50)
+    results: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "specs": bench.specs,
+    }
+    for name in [a for a in args if a in SPECS] or list(SPECS):
+        _record(results, f"{name}_floors", lambda name=name: bench.floors(name))
+        for mode in MODES:
+            _record(results, f"{name}_{mode}", lambda name=name, mode=mode: bench.train(name, mode))
+            if f"{name}_{mode}" in results:
+                print(name, mode, json.dumps(results[f"{name}_{mode}"]["step"]), flush=True)
+
+        def grad_diffs(name: str = name) -> None:
+            ref = bench.first_grads(name, "eager_ddp")
+            results[f"{name}_grad_maxabs"] = max(float(a.abs().max()) for a in ref)
+            for algorithm in ("concat", "coalesced"):
+                got = bench.first_grads(name, f"ddp_fusion_{algorithm}")
+                results[f"{name}_grad_maxdiff_{algorithm}"] = max(
+                    float((a - b).abs().max()) for a, b in zip(ref, got))
+
+        _record(results, f"{name}_grads", grad_diffs)
+        print(name, "grad diffs", results.get(f"{name}_grad_maxdiff_concat"),
+              results.get(f"{name}_grad_maxdiff_coalesced"), flush=True)
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
