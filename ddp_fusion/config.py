@@ -32,8 +32,9 @@ _FALSE = ("0", "false", "no", "off", "")
 class Config:
     enabled: bool = False
     """Fuse DDP gradient all-reduces. Setting it installs the post-grad pass in Inductor
-    (next to any pass already there) and turns on compiled autograd for ``backward()``;
-    clearing it undoes both. Env: ``DDP_FUSION``."""
+    (next to any pass already there) and adopts torch DDP models built from then on;
+    compiled autograd turns on for ``backward()`` once such a model's forward runs
+    compiled (effects.py). Clearing it undoes all of these. Env: ``DDP_FUSION``."""
 
     algorithm: str = "concat"
     """``"concat"``: flatten + cat each bucket into one buffer, one ``all_reduce``, split
