@@ -1,7 +1,7 @@
 """One GPU at world size 1 (NCCL): ddp_fusion's CUDA path, and compiled-autograd
 backward against torch.compile's AOT backward.
 
-    python -m bench.gpu_floors OUT.json [mlp] [gpt] [--small]
+    python -m bench.gpu_floors OUT.json [mlp] [gpt] [--small | --cpu-size] [--floors-only]
 
 For each model (sized for a GPU: MLP 24 x 1024, batch 256; GPT d=768, 6 layers, seq 256,
 batch 8), in one process:
@@ -15,8 +15,10 @@ batch 8), in one process:
 
 At world size 1 NCCL moves nothing: this measures compute and the cost of the fused
 graph, not communication. It runs on the lent GPU machine's own torch (2.11 there),
-from a checkout on ``PYTHONPATH``. ``--small`` shrinks everything for a CPU smoke run.
-One failing measurement is recorded (its traceback) and the others go on.
+from a checkout on ``PYTHONPATH``. ``--small`` shrinks everything for a CPU smoke run;
+``--cpu-size`` uses the shaped-link benchmark's CPU models (the compiled-backward
+comparison on CPU); ``--floors-only`` measures the compute floors only. One failing
+measurement is recorded (its traceback) and the others go on.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ from bench._lib.models import GPT, MLP
 SPECS = {
     "gpt": dict(vocab=8192, d=768, heads=12, layers=6, seq=256, batch=8),
     "mlp": dict(width=1024, depth=24, batch=256),
+}
+CPU_SIZE = {  # the shaped-link benchmark's models (bench/_lib/models.py)
+    "gpt": dict(vocab=1000, d=192, heads=4, layers=4, seq=64, batch=8),
+    "mlp": dict(width=256, depth=24, batch=128),
 }
 SMALL = {
     "gpt": dict(vocab=500, d=64, heads=2, layers=2, seq=32, batch=2),
@@ -210,9 +216,9 @@ def _record(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
 
 def main() -> None:
     out_path, args = sys.argv[1], sys.argv[2:]
-    small = "--small" in args
+    small, cpu_size, floors_only = "--small" in args, "--cpu-size" in args, "--floors-only" in args
     dev = _init()
-    bench = Bench(SMALL if small else SPECS, dev, reps=5 if small else 50)
+    bench = Bench(SMALL if small else CPU_SIZE if cpu_size else SPECS, dev, reps=5 if small else 50)
     results: dict[str, Any] = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -220,6 +226,10 @@ def main() -> None:
     }
     for name in [a for a in args if a in SPECS] or list(SPECS):
         _record(results, f"{name}_floors", lambda name=name: bench.floors(name))
+        if floors_only:
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=1)
+            continue
         for mode in MODES:
             _record(results, f"{name}_{mode}", lambda name=name, mode=mode: bench.train(name, mode))
             if f"{name}_{mode}" in results:

@@ -74,3 +74,32 @@ def test_graph_stats_count_a_copy_back(fake_pg):
     gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
     fuse_ddp_allreduces(gm.graph, algorithm="concat")
     assert graph_stats(gm.graph)["copy_back_bytes"] == 4 * 16
+
+
+def test_first_step_refuses_unknown_models_and_modes_by_name(capsys):
+    from bench import first_step
+
+    for argv, named in ((["--model", "mlpp"], "mlpp"), (["--modes", "ddp_optimiser"], "ddp_optimiser"),
+                        (["--steps", "0"], "--steps")):
+        with pytest.raises(SystemExit) as e:
+            first_step.main(argv)
+        assert e.value.code == 2
+        assert named in capsys.readouterr().err
+
+
+def test_first_step_table_compares_the_warm_first_step_with_ddp_optimizer():
+    from bench import first_step
+
+    def rec(first, phases):
+        return {"first_s": first, "later_s": [0.05, 0.05], "compile_phases_s": phases,
+                "ready_order_s": 0.25, "pass_s": 0.01}
+
+    warm = rec(8.0, {"_compile.compile_inner": 5.0})
+    results = {"mlp": {"ddp_fusion_stock": {"cold": rec(30.0, {}), "warm": warm},
+                       "ddp_optimizer": {"cold": rec(10.0, {}), "warm": rec(4.0, {})},
+                       "compute_only": {"error": "boom"}}}
+    lines = [line for line in first_step.table(results) if line.startswith("| ")]
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines}
+    assert "| 30.0 | 8.0 | 2.00x | 0.050 | 5.00 |" in rows["ddp_fusion_stock"], rows
+    assert "| 10.0 | 4.0 | 1.00x |" in rows["ddp_optimizer"]
+    assert "failed: boom" in rows["compute_only"]

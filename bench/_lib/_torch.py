@@ -25,6 +25,7 @@ REQUIRED = (
     "torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST",
     "torch._dynamo.trace_rules.get_legacy_mod_inlinelist",
     "torch._dynamo.utils.counters",
+    "torch._dynamo.utils.compilation_time_metrics",
     "torch._inductor.config._fuse_ddp_communication",
     "torch._inductor.config._fuse_ddp_bucket_size",
     "torch._inductor.config._fuse_ddp_communication_passes",
@@ -157,6 +158,15 @@ def counters() -> Any:
     from torch._dynamo.utils import counters as c
 
     return c
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds spent so far in each of torch's timed compile phases (``dynamo_timed``
+    keys such as ``_compile.compile_inner`` or ``GraphLowering.compile_to_module``);
+    nested phases are counted in their parents too."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {k: float(sum(v)) for k, v in compilation_time_metrics.items()}
 
 
 # --------------------------------------------------------------------------- objects

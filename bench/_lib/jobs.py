@@ -29,8 +29,9 @@ class Job:
     """One (model, mode, cap) on its own rank processes."""
 
     def __init__(self, model: str, mode: str, cap: float | None, device: str = "cpu",
-                 set_to_none: bool = True, pg_timeout: float = 900.0) -> None:
+                 set_to_none: bool = True, pg_timeout: float = 900.0, graph_caches: bool = False) -> None:
         self.model, self.mode, self.cap, self.device = model, mode, cap, device
+        self.graph_caches = graph_caches
         self.set_to_none = set_to_none
         self.key = f"{model}|{mode}|{cap}"
         self.label = mode if cap is None else f"{mode}@{cap:g}"
@@ -47,7 +48,7 @@ class Job:
         self.pool.start()
         self.started = True
         self.run(step.start, self.model, self.mode, self.cap, self.device, self.set_to_none,
-                 timeout=timeout)
+                 self.graph_caches, timeout=timeout)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 1800.0) -> list[Any]:
         """``fn(rank, world_size, *args)`` on the job's ranks; :class:`JobError` (with

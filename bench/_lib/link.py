@@ -15,7 +15,9 @@ itself (:func:`run_inside`) as::
 so the ranks it spawns inherit the namespace. Inside (:func:`main`), per model, every job
 (the modes and the floors) is compiled once; then for each rate the loopback's rate is
 changed (``tc qdisc change``) and all jobs are timed round-robin, and one step per rank
-of each job is profiled for the time line. The rate is that of the one loopback queue
+of each job is profiled for the time line. A ``bucket_cap_mb="auto"`` job, which sizes its
+buckets for the link it measures at its first compiled step, is started and compiled
+again at each rate. The rate is that of the one loopback queue
 that both ranks' traffic crosses: a 2-rank ring all-reduce of n bytes puts 2n bytes on it.
 
 Reported per model and rate: the compute floors (eager; AOT-compiled, ``torch.compile``;
@@ -170,10 +172,18 @@ def run_model(model: str, modes: list[str], cap: float | None, rates: list[str],
     jobs = [jobs_lib.Job(model, m, cap if m not in FLOORS or m == COMM_FLOOR else None, "cpu", set_to_none,
                          pg_timeout) for m in modes]
     try:
+        set_rate(rates[0])  # the link "auto" jobs measure as they compile, not the last model's
         jobs_lib.start_jobs(jobs, warmup, log)
-        for rate in rates:
+        for i, rate in enumerate(rates):
             set_rate(rate)
             log(f"{model}: link {rate}")
+            if i > 0:  # bucket_cap_mb="auto" decides on the link it meets: a fresh job here
+                for k, job in enumerate(jobs):
+                    if all_modes()[job.mode].sized_for_link and not job.failed:
+                        job.stop()
+                        jobs[k] = jobs_lib.Job(job.model, job.mode, job.cap, "cpu", set_to_none, pg_timeout)
+                        jobs[k].rec = job.rec
+                        jobs_lib.start_jobs([jobs[k]], warmup, log)
             jobs_lib.time_round_robin(jobs, rounds, steps, log, rec_key=rate)
             for job in jobs:
                 if not job.failed and job.mode not in (EAGER_FLOOR, AOT_FLOOR, CA_FLOOR):

@@ -43,6 +43,9 @@ class Mode:
     """The mode whose parameters this one should reproduce ("": none)."""
     floor = CA_FLOOR
     """Its own compute floor (a mode name)."""
+    sized_for_link = False
+    """Chooses its buckets for the link it measures at its first compiled step (so on a
+    shaped link it is compiled again at each rate)."""
 
     def context(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -134,7 +137,7 @@ class DDPFusion(Mode):
         self.algorithm = algorithm
         self.comm_dtype = comm_dtype
         self.max_in_flight_mb = max_in_flight_mb
-        self.auto = auto
+        self.auto = self.sized_for_link = auto
         suffix = f"_{_short(comm_dtype)}" if comm_dtype else ""
         suffix += f"_inflight_{max_in_flight_mb:g}mb" if max_in_flight_mb else ""
         suffix += "_auto" if auto else ""
@@ -241,7 +244,8 @@ class DDPFusionPowerSGD(Mode):
 
 class ComputeFloor(Mode):
     """The model alone, no communication: eager, AOT-compiled (``torch.compile``), or
-    compiled with its backward through compiled autograd and Inductor."""
+    compiled with its backward through compiled autograd (static sizes, as ddp_fusion
+    uses it while shapes are stable) and Inductor."""
 
     comm = False
 
@@ -250,7 +254,8 @@ class ComputeFloor(Mode):
         self.compiled = name != EAGER_FLOOR
 
     def context(self):
-        return _torch.compiled_autograd() if self.name == CA_FLOOR else contextlib.nullcontext()
+        # static sizes, as ddp_fusion traces backward while the forward's shapes are stable
+        return _torch.compiled_autograd(dynamic=False) if self.name == CA_FLOOR else contextlib.nullcontext()
 
     def wrap(self, model, cap, pg=None, **kw):
         return model if self.name == EAGER_FLOOR else torch.compile(model)

@@ -10,6 +10,7 @@ ranks stay alive between calls, holding the built (compiled) step in this module
     pool.run(step.start, model, mode, cap, device, set_to_none)   # build, enter the mode
     pool.run(step.warmup, n)       # n steps (compiles), seconds
     pool.run(step.time_steps, n)   # n timed steps: ms each, recompiles during them
+    pool.run(step.first_steps, n)  # the first n steps, each timed, compile phases (first_step)
     pool.run(step.measure)         # one profiled step: bytes, copies, memory, graph stats
     pool.run(step.trace, shapes)   # one profiled step as a time line (profiling.timeline)
     pool.run(step.op_times, n)     # CPU time per step of the main profiler keys, over n steps
@@ -129,8 +130,10 @@ _lowered: profiling.LoweredGraphs | None = None
 
 
 def start(rank: int, world_size: int, model_name: str, mode_name: str, cap: float | None,
-          device: str = "cpu", set_to_none: bool = True) -> str:
-    """Build the job's step in this rank (the mode's settings stay on until :func:`stop`)."""
+          device: str = "cpu", set_to_none: bool = True, graph_caches: bool = False) -> str:
+    """Build the job's step in this rank (the mode's settings stay on until :func:`stop`).
+    ``graph_caches``: leave Inductor's FX graph cache and AOTAutograd's cache on (by
+    default they are off, so every job lowers its own graphs)."""
     global _job, _lowered
     if _job is not None:
         raise RuntimeError("a job is already running in this rank")
@@ -139,7 +142,8 @@ def start(rank: int, world_size: int, model_name: str, mode_name: str, cap: floa
     if _lowered is None:
         _lowered = profiling.LoweredGraphs()
     stack = contextlib.ExitStack()
-    stack.enter_context(_torch.isolated_compile())
+    if not graph_caches:
+        stack.enter_context(_torch.isolated_compile())
     stack.enter_context(mode.context())
     try:
         step = build(model_name, mode, cap, models.make_batches(model_name, rank, 4), device, set_to_none)
@@ -179,6 +183,46 @@ def _compile_counts() -> dict[str, int]:
     c = _torch.counters()
     return {"dynamo_graphs": int(c["stats"]["unique_graphs"]),
             "ca_captures": int(c["compiled_autograd"]["captures"])}
+
+
+def first_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
+    """The job's first ``n`` steps, each timed alone between barriers (the first
+    compiles), with where the time went: torch's compile phases (seconds, from
+    ``dynamo_timed``) and ddp_fusion's own parts (learning eager autograd's ready order,
+    the pass)."""
+    import ddp_fusion._install as install
+    import ddp_fusion.grad_sync as grad_sync
+
+    job = _current()
+    spent = {"ddp_fusion ready order": 0.0, "ddp_fusion pass": 0.0}
+
+    def timed(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return run
+
+    saved = grad_sync.ready_order.learn, install.fuse_ddp_allreduces
+    grad_sync.ready_order.learn = timed(saved[0], "ddp_fusion ready order")
+    install.fuse_ddp_allreduces = timed(saved[1], "ddp_fusion pass")
+    before = _torch.compile_seconds()
+    times = []
+    try:
+        for _ in range(n):
+            dist.barrier()
+            job.sync()
+            t0 = time.perf_counter()
+            job.step()
+            job.sync()
+            times.append(time.perf_counter() - t0)
+    finally:
+        grad_sync.ready_order.learn, install.fuse_ddp_allreduces = saved
+    after = _torch.compile_seconds()
+    phases = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 1e-3}
+    return {"times_s": times, "compile_phases_s": phases, **spent}
 
 
 def time_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
