@@ -192,13 +192,13 @@ def decide(module: torch.nn.Module, names: list[str], local_sizes: list[int], li
     sizes = [local_sizes[i] for i in order]
     backward_s = max(ready, default=0.0)
     budget = None if config.max_in_flight_mb is None else int(config.max_in_flight_mb * MiB)
-    choice = choose(sizes, ready, backward_s, link, budget, measured_link)
-    _show(choice, model_id)
-    return order, choice
+    return order, choose(sizes, ready, backward_s, link, budget, measured_link)
 
 
-def _show(choice: Choice, model_id: int) -> None:
-    log.info("ddp_fusion: bucket_cap_mb='auto' for model %d: %s", model_id, choice.describe())
+def show(choice: Choice, model_id: int, from_rank0: bool) -> None:
+    """Log and dump the choice this rank runs (``from_rank0``: decided by group rank 0)."""
+    log.info("ddp_fusion: bucket_cap_mb='auto' for model %d%s: %s", model_id,
+             " (group rank 0's choice)" if from_rank0 else "", choice.describe())
     if config.dump_dir:
         os.makedirs(config.dump_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0

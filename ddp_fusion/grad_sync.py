@@ -207,6 +207,8 @@ def _learn_ready_order(sync: GradSync, inputs: Any) -> None:
     if choice is not None:
         sync.limits[:] = choice.limits  # the hooks' and the eager reducer's limits
         sync.sizing = choice
+        not_rank0 = has_peers(sync.group) and dist.get_rank(sync.group) != 0
+        autocap.show(choice, sync.model_id, from_rank0=not_rank0)
     state = sync.state
     if order is not None:
         position = [0] * len(sync.names)

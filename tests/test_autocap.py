@@ -96,6 +96,10 @@ def test_every_rank_runs_rank_0s_choice_and_trains_like_eager_ddp():
     results = run_ranks(auto_caps_against_eager_ddp, world_size=2, timeout=600)
     assert results[0]["limits"] == results[1]["limits"]
     assert results[0]["link"] == results[1]["link"] and results[0]["measured"]
+    # each rank logs the choice it runs (rank 0's), once; rank 1 says whose it is
+    (rank0,), (rank1,) = results[0]["logged"], results[1]["logged"]
+    assert "(group rank 0's choice)" not in rank0 and "(group rank 0's choice)" in rank1
+    assert rank1.replace(" (group rank 0's choice)", "") == rank0, (rank0, rank1)
     for r in results:
         assert r["collectives"] == r["eager_collectives"], r
         assert r["max_diff"] < 1e-5, r

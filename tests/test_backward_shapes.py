@@ -49,7 +49,9 @@ for seq in (9, 11, 13, 17, 23, 31, 40):
 varying = {"dynamic": dynamic(),
            "captures": counters["compiled_autograd"]["captures"],
            "forward_compiles": counters["stats"]["unique_graphs"],
-           "plans": counters["ddp_fusion"]["plans_run"]}
+           "plans": counters["ddp_fusion"]["plans_run"],
+           "fused_graphs": counters["ddp_fusion"]["graphs"],
+           "unfused": counters["ddp_fusion"]["unfused"]}
 print(json.dumps({"stable": stable, "varying": varying}))
 """
 
@@ -66,3 +68,6 @@ def test_static_backward_while_shapes_are_stable_dynamic_after_they_change(tmp_p
     assert r["varying"]["dynamic"] is True, r
     assert r["varying"]["captures"] <= 3, r
     assert r["varying"]["plans"] == 1, r  # every graph has the same bucket plan
+    # and every backward graph, the dynamic one included, was fused: no gradient left out
+    assert r["varying"]["fused_graphs"] == r["varying"]["captures"], r
+    assert r["varying"]["unfused"] == 0, r
