@@ -185,6 +185,19 @@ def _compile_counts() -> dict[str, int]:
             "ca_captures": int(c["compiled_autograd"]["captures"])}
 
 
+def _barrier_timed(job: _Job, n: int) -> list[float]:
+    """``n`` steps, each started after a barrier; seconds each."""
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        job.sync()
+        t0 = time.perf_counter()
+        job.step()
+        job.sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def first_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
     """The job's first ``n`` steps, each timed alone between barriers (the first
     compiles), with where the time went: torch's compile phases (seconds, from
@@ -209,15 +222,8 @@ def first_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
     grad_sync.ready_order.learn = timed(saved[0], "ddp_fusion ready order")
     install.fuse_ddp_allreduces = timed(saved[1], "ddp_fusion pass")
     before = _torch.compile_seconds()
-    times = []
     try:
-        for _ in range(n):
-            dist.barrier()
-            job.sync()
-            t0 = time.perf_counter()
-            job.step()
-            job.sync()
-            times.append(time.perf_counter() - t0)
+        times = _barrier_timed(job, n)
     finally:
         grad_sync.ready_order.learn, install.fuse_ddp_allreduces = saved
     after = _torch.compile_seconds()
@@ -229,14 +235,7 @@ def time_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
     """``n`` steps, each after a barrier: ``times_ms`` and the compiles during them."""
     job = _current()
     before = _compile_counts()
-    times = []
-    for _ in range(n):
-        dist.barrier()
-        job.sync()
-        t0 = time.perf_counter()
-        job.step()
-        job.sync()
-        times.append(1e3 * (time.perf_counter() - t0))
+    times = [1e3 * t for t in _barrier_timed(job, n)]
     after = _compile_counts()
     return {"times_ms": times, "recompiles": {k: after[k] - before[k] for k in after}}
 
