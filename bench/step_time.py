@@ -113,9 +113,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
             parser.error("--model mlp_tp needs 4 ranks; on one GPU NCCL runs world size 1")
         if args.link:
             parser.error("--link shapes the loopback between gloo ranks on CPU; not with --device cuda")
-    if args.link and (args.sweep or args.model == "mlp_tp"):
-        parser.error("--link times pure data-parallel models (not mlp_tp, whose TP all-reduces would "
-                     "cross the link inside the compute floors), and not with --sweep")
+    if args.link and args.sweep:
+        parser.error("--link runs one cap per job; not with --sweep")
     known = list(all_modes())
     bad = [m for m in (args.modes.split(",") if args.modes else []) if m not in known]
     if bad:

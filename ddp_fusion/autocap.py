@@ -4,9 +4,9 @@ DDP's default caps (a 1 MiB first bucket, then 25 MiB) are a guess made for one 
 cluster. With ``"auto"``, the first time the model's forward runs compiled, ddp_fusion
 measures the two things that decide how much communication a bucket plan can hide:
 
-* the link: ``alpha`` (a collective's fixed cost) and ``beta`` (its cost per byte), fitted
-  to all-reduces of a few sizes on the model's process group, or taken from
-  ``config.link``;
+* the link: ``alpha`` (a collective's fixed cost: the fastest all-reduce of a few bytes)
+  and ``beta`` (its cost per byte: the difference between the fastest all-reduces of two
+  larger sizes) on the model's process group, or taken from ``config.link``;
 * the backward: when each gradient becomes ready, from one eager forward and backward
   of the model on inputs shaped like the real ones (real parameters, no ``.grad``
   written, buffers restored), which also gives eager autograd's ready order.
@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -58,9 +57,10 @@ MARGIN = 0.05
 #: Plans predicted within this share of the backward of the best count as as good; the
 #: one with the fewest buckets among them is chosen.
 NEAR = 0.05
-#: Sizes (bytes) of the all-reduces that measure the link; repetitions of each (the
-#: fastest counts: noise only adds).
-PROBE_BYTES = (1 << 17, 1 << 20, 1 << 22)
+#: Sizes (bytes) of the all-reduces that measure the link: ``alpha`` from the first,
+#: ``beta`` from the difference of the other two; repetitions of each (the fastest
+#: counts: noise only adds).
+PROBE_BYTES = (1 << 10, 1 << 20, 1 << 22)
 PROBE_REPS = 5
 
 
@@ -143,10 +143,15 @@ def choose(sizes: Sequence[int], ready: Sequence[float], backward_s: float, link
 
 
 def measure_link(group: dist.ProcessGroup, device: torch.device) -> Link:
-    """``alpha`` and ``beta`` fitted (least squares) to the fastest of
-    :data:`PROBE_REPS` all-reduces of each of :data:`PROBE_BYTES` on ``group`` (every
-    rank must call it)."""
-    xs, ys = [], []
+    """The link of ``group`` from the fastest of :data:`PROBE_REPS` all-reduces of each
+    of :data:`PROBE_BYTES`: ``alpha`` is the time of the smallest, ``beta`` the slope
+    between the two larger (every rank must call it).
+
+    A slope between two large sizes, not a least-squares fit through all three, because
+    what a small all-reduce costs is not on the line through the large ones: a shaped
+    link's burst, or a small-message algorithm, makes the intercept of such a fit
+    meaningless (it came out as 0 us or as 1.9 ms on the same loopback)."""
+    fastest = []
     for nbytes in PROBE_BYTES:
         t = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
         dist.all_reduce(t, group=group)  # warm-up: connections, buffers
@@ -157,12 +162,10 @@ def measure_link(group: dist.ProcessGroup, device: torch.device) -> Link:
             dist.all_reduce(t, group=group)
             _sync(device)
             times.append(time.perf_counter() - t0)
-        xs.append(float(nbytes))
-        ys.append(min(times))
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    beta = max(beta, 1e-13)
-    return Link(max(my - beta * mx, 0.0), beta)
+        fastest.append(min(times))
+    (_, t_small), (n_mid, t_mid), (n_big, t_big) = zip(PROBE_BYTES, fastest)
+    beta = max((t_big - t_mid) / (n_big - n_mid), 1e-13)
+    return Link(t_small, beta)
 
 
 def _sync(device: torch.device) -> None:

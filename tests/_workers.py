@@ -253,9 +253,12 @@ def dp_tp_compare(rank, world_size, dump_root):
     both with the same hand-written TP; returns max parameter difference and the TP
     all-reduce count in the backward graph before and after the pass."""
     import glob
+    import json
     import os
 
     from torch.distributed.device_mesh import init_device_mesh
+
+    from ddp_fusion.plan import BucketPlan, MiB
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp, dp = mesh["tp"].get_group(), mesh["dp"]
@@ -279,12 +282,41 @@ def dp_tp_compare(rank, world_size, dump_root):
     tp_name = tp.group_name
     stem = sorted(glob.glob(os.path.join(dump_dir, "*.buckets.json")))[-1][: -len(".buckets.json")]
 
-    return {
+    out = {
         "max_diff": max((g - w).abs().max().item() for g, w in zip(got, want)),
         "tp_before": open(stem + ".before.txt").read().count(f"'{tp_name}')"),
         "tp_after": open(stem + ".after.txt").read().count(f"'{tp_name}')"),
-        "dp_buckets": len(__import__("json").load(open(stem + ".buckets.json"))["buckets"]),
+        "dp_buckets": len(json.load(open(stem + ".buckets.json"))["buckets"]),
     }
+
+    # bucket_cap_mb="auto" on a wider model (4 blocks of 0.5 MiB of local gradients) and
+    # a slow link given in config.link, where what counts is how early the first bucket
+    # starts: it sizes the DP buckets from the local shards (smaller than DDP's 2), each
+    # DP group runs its rank 0's choice, and the TP all-reduces stay where they were.
+    wide = lambda: torch.nn.Sequential(*(TPBlock(256, 512, tp, seed) for seed in range(4)))
+    batches = [torch.randn(8, 256, generator=gen) for _ in range(3)]
+    auto_dir = os.path.join(dump_root, f"auto_rank{rank}")
+    torch._dynamo.reset()
+    with ddp_fusion.config.patch(enabled=True, dump_dir=auto_dir, link=(10.0, 0.01)):
+        wrapper = ddp_fusion.DistributedDataParallel(wide(), device_mesh=dp, bucket_cap_mb="auto")
+        got = _steps(torch.compile(wrapper), batches)
+    limits = wrapper.bucket_sizing.limits
+    want = _steps(torch.nn.parallel.DistributedDataParallel(
+        wide(), process_group=dp.get_group(), bucket_cap_mb_list=[c / MiB for c in limits]), batches)
+    stem = sorted(glob.glob(os.path.join(auto_dir, "*.buckets.json")))[-1][: -len(".buckets.json")]
+    plan = BucketPlan.from_json(open(stem + ".buckets.json").read())
+    out["auto"] = {
+        "limits": limits,
+        "max_diff": max((g - w).abs().max().item() for g, w in zip(got, want)),
+        "tp_before": open(stem + ".before.txt").read().count(f"'{tp_name}')"),
+        "tp_after": open(stem + ".after.txt").read().count(f"'{tp_name}')"),
+        "dp_buckets": len(plan.buckets),
+        "default_buckets": wrapper.bucket_sizing.buckets_default,
+        "dp_groups": {b.group for b in plan.buckets} == {dp.get_group().group_name},
+        "local_grad_bytes": sum(p.numel() * p.element_size() for p in wrapper.module.parameters()),
+        "planned_bytes": sum(b.nbytes for b in plan.buckets),
+    }
+    return out
 
 
 def dtensor_tp_compare(rank, world_size, compiled):

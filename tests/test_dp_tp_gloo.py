@@ -1,6 +1,7 @@
 """DP x TP on 4 gloo ranks (DP=2 x TP=2, hand-written tensor parallelism with
 functional all-reduces): ddp_fusion over the DP sub-mesh trains like eager torch DDP over
-the DP group, and the pass leaves every TP all-reduce in place."""
+the DP group, and the pass leaves every TP all-reduce in place, with fixed caps and with
+``bucket_cap_mb="auto"``."""
 
 from ddp_fusion.launch import run_ranks
 
@@ -13,6 +14,15 @@ def test_dp_tp_matches_eager_ddp_and_keeps_tp_collectives(tmp_path):
         assert r["max_diff"] < 1e-5, r
         assert r["tp_before"] > 0 and r["tp_after"] == r["tp_before"], r
         assert r["dp_buckets"] > 1
+        # bucket_cap_mb="auto": DP buckets sized from the local shards, TP left alone
+        auto = r["auto"]
+        assert auto["max_diff"] < 1e-5, auto
+        assert auto["tp_before"] > 0 and auto["tp_after"] == auto["tp_before"], auto
+        assert auto["dp_groups"] and auto["planned_bytes"] == auto["local_grad_bytes"], auto
+        assert auto["dp_buckets"] > auto["default_buckets"] == 2, auto
+    # each DP group ({0, 2} and {1, 3}) runs its group rank 0's choice
+    assert results[0]["auto"]["limits"] == results[2]["auto"]["limits"]
+    assert results[1]["auto"]["limits"] == results[3]["auto"]["limits"]
 
 
 def test_dtensor_tp_with_compiled_forward_and_eager_reducer():

@@ -18,7 +18,7 @@ changed (``tc qdisc change``) and all jobs are timed round-robin, and one step p
 of each job is profiled for the time line. A ``bucket_cap_mb="auto"`` job, which sizes its
 buckets for the link it measures at its first compiled step, is started and compiled
 again at each rate. The rate is that of the one loopback queue
-that both ranks' traffic crosses: a 2-rank ring all-reduce of n bytes puts 2n bytes on it.
+that all ranks' traffic crosses: a 2-rank ring all-reduce of n bytes puts 2n bytes on it.
 
 Reported per model and rate: the compute floors (eager; AOT-compiled, ``torch.compile``;
 compiled-autograd compiled: the model alone, no communication), the communication floor
@@ -30,9 +30,12 @@ median step with its p10-p90 spread, and hidden communication::
 (own floor: eager modes the eager floor, DDPOptimizer the AOT floor, compiled-autograd
 modes the compiled-autograd floor; with ``--bucket-cap-mb`` the modes and the
 communication floor use that cap; 100 % = all communication hidden under compute, 0 % =
-none, below 0 = the step costs more than compute + communication back to back). A
-picture per model and rate draws one step per rank of eager DDP and ddp_fusion side by
-side (bench/_lib/timeline.py).
+none, below 0 = the step costs more than compute + communication back to back). For
+``mlp_tp`` (DP=2 x TP=2 on 4 ranks) the compute floors hold the model's TP all-reduces,
+which cross the shaped link too, and the communication floor only the DP gradients: the
+hidden share is that of the data-parallel communication. A picture per model and rate
+draws one step per rank of eager DDP and ddp_fusion side by side
+(bench/_lib/timeline.py).
 """
 
 from __future__ import annotations
@@ -244,7 +247,7 @@ def table(model: str, summary: dict[str, Any], res: dict[str, Any]) -> str:
             return "failed" if x is None else f"{x:.1f} ms"
 
         mbs = rate_bytes_per_s(rate) / 1e6
-        lines.append(f"-- {model}, link {rate} ({mbs:.0f} MB/s, shared by both ranks' traffic) --")
+        lines.append(f"-- {model}, link {rate} ({mbs:.0f} MB/s, shared by all ranks' traffic) --")
         lines.append(f"floors: compute eager {ms(f[EAGER_FLOOR])}, AOT-compiled {ms(f[AOT_FLOOR])}, "
                      f"compiled autograd {ms(f[CA_FLOOR])}; communication {ms(f[COMM_FLOOR])}")
         head = (f"{'mode':<32}{'own floor ms':>24}{'step ms':>9}{'p10-p90 ms':>15}{'exposed':>9}{'hidden':>8}"
@@ -264,10 +267,10 @@ def table(model: str, summary: dict[str, Any], res: dict[str, Any]) -> str:
             issuing = "/".join(f"{w:.1f}" for w in row.get("issuing_ms", [])) or "-"
             issued = " / ".join(", ".join(f"{p:.0f}" for p in rank) for rank in row.get("issued_pct", []))
             lines.append(f"{mode:<32}{floor:>24}{row['median_ms']:>9.1f}{row['p10_ms']:>7.1f}-{row['p90_ms']:<7.1f}"
-                         f"{exposed:>9}{hidden:>8}{waited:>12}{issuing:>12}  {issued}")
+                         f"{exposed:>9}{hidden:>8} {waited:>11} {issuing:>11}  {issued}")
         lines.append("exposed = step - own floor; hidden = 1 - exposed / communication floor; in the "
-                     "profiled step, rank 0/1: waited = main thread blocked on buckets, issuing = in the "
-                     "calls that issue them; issue positions: rank 0 / rank 1")
+                     "profiled step, per rank (0/1/...): waited = main thread blocked on buckets, issuing = "
+                     "in the calls that issue them; issue positions: rank 0 / rank 1 / ...")
     return "\n".join(lines)
 
 
@@ -296,10 +299,11 @@ def main(args: argparse.Namespace, models: list[str], rounds: int, steps: int, m
     modes = args.modes.split(",") if args.modes else list(MODES)
     modes = [m for m in modes if m not in FLOORS] + list(FLOORS)
     meta.update(link={"rates": args.rates, "tbf": TBF, "netns": _netns(),
-                      "note": "one loopback queue shared by both ranks' traffic"}, modes=modes,
+                      "note": "one loopback queue shared by all ranks' traffic"}, modes=modes,
                 bucket_cap_mb=args.bucket_cap_mb)
-    print(f"bench.step_time --link: torch {meta['torch']}, {meta['machine']}; 2 gloo ranks x 1 thread in a "
-          f"private network namespace, loopback tbf {TBF} at {', '.join(args.rates)}; each job: "
+    ranks = " or ".join(str(w) for w in meta["world_size"])
+    print(f"bench.step_time --link: torch {meta['torch']}, {meta['machine']}; {ranks} gloo ranks x 1 "
+          f"thread in a private network namespace, loopback tbf {TBF} at {', '.join(args.rates)}; each job: "
           f"{args.warmup} warm-up steps, then per rate {rounds} rounds x {steps} timed steps "
           "(round-robin), 1 profiled step per rank", flush=True)
     log = jobs_lib.Log()
@@ -355,9 +359,10 @@ def write_draft(result: dict[str, Any]) -> tuple[str, dict[str, str]]:
              f"* Load average at the start: {', '.join(f'{x:.2f}' for x in meta['load_average'])}; "
              "what else was running: (fill in)",
              f"* Link: a private network namespace, loopback `tbf {TBF}` at {rates}, "
-             "one queue shared by both ranks' traffic (a 2-rank all-reduce of n bytes puts 2n bytes on it)",
+             "one queue shared by all ranks' traffic (a 2-rank all-reduce of n bytes puts 2n bytes on it)",
              f"* Buckets: {caps}",
-             f"* 2 gloo ranks x 1 thread; {meta['warmup_steps']} warm-up steps; per rate {meta['rounds']} "
+             f"* {' or '.join(str(w) for w in meta['world_size'])} gloo ranks x 1 thread; "
+             f"{meta['warmup_steps']} warm-up steps; per rate {meta['rounds']} "
              f"rounds x {meta['timed_steps_per_round']} timed steps per job, round-robin; step time = max "
              "over ranks",
              "", "hidden = 1 - (step - own compute floor) / communication floor; own floor: eager modes the "
