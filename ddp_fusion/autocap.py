@@ -15,11 +15,14 @@ Then it predicts each candidate plan's exposed communication with the same model
 the link everywhere (buckets in DDP's order, each issued when its last gradient is
 ready and the link is free, taking ``alpha + beta * bytes``; what finishes after the
 last gradient is exposed), over uniform caps and a 1 MiB first bucket followed by
-them. The model leaves out what each collective costs the host (on a CPU with few
-cores, moving the bytes competes with backward for the cores), so it is used
-cautiously: among the plans predicted within :data:`NEAR` of the best, the one with
-the fewest buckets wins, and DDP's default stays unless that plan saves more than
-:data:`MARGIN` of the backward. Caps above ``config.max_in_flight_mb`` are not
+them. Each plan's cost is its predicted exposed communication plus ``alpha`` for every
+collective it has more than DDP's default (minus for every one fewer): a collective's
+fixed cost is paid somewhere even when the model says it is hidden. The model leaves
+out how a transfer and the backward slow each other down when they share the host (on a
+CPU with few cores, moving the bytes competes with backward for the cores), so it is
+used cautiously: among the plans whose cost is within :data:`NEAR` of the best, the one
+with the fewest buckets wins, and DDP's default stays unless that plan costs less by
+more than :data:`MARGIN` of the backward. Caps above ``config.max_in_flight_mb`` are not
 considered. Group rank 0's choice is broadcast, so
 every rank runs the same plan (which the plan check verifies); it is made once per
 model and holds for every graph the model compiles. It is logged at INFO with the
@@ -131,12 +134,17 @@ def choose(sizes: Sequence[int], ready: Sequence[float], backward_s: float, link
     if max_in_flight is not None:
         candidates = [c for c in candidates if max(c) <= max_in_flight]
     scored = [(limits, *predict(sizes, ready, backward_s, limits, link)) for limits in candidates]
-    lowest = min((exposed for _, exposed, _ in scored), default=exposed_default)
-    near = [s for s in scored if s[1] <= lowest + NEAR * backward_s]
+
+    def cost(exposed: float, n: int) -> float:
+        # each collective more than DDP's default costs alpha, hidden or not
+        return exposed + (n - n_default) * link.alpha
+
+    lowest = min((cost(e, n) for _, e, n in scored), default=exposed_default)
+    near = [s for s in scored if cost(s[1], s[2]) <= lowest + NEAR * backward_s]
     # fewest buckets, then least exposed, then the largest caps
     best, exposed_best, n_best = min(near, key=lambda s: (s[2], s[1], -max(s[0])),
                                      default=(default, exposed_default, n_default))
-    if exposed_default - exposed_best <= MARGIN * backward_s:
+    if exposed_default - cost(exposed_best, n_best) <= MARGIN * backward_s:
         best, exposed_best, n_best = default, exposed_default, n_default
     return Choice(list(best), link, backward_s, exposed_default, exposed_best, n_default, n_best,
                   measured_link)

@@ -56,6 +56,20 @@ def test_a_small_gain_keeps_ddps_default():
     assert choice.limits == autocap.default_limits()
 
 
+def test_an_extra_collective_must_save_more_than_its_fixed_cost():
+    """0.3 and 0.1 MiB ready at 1 and 4 ms; alpha 2.5 ms, 10 ms per MiB. DDP's one
+    bucket: 2.5 + 4 ms from 4 ms, 6.5 ms exposed. Two buckets (0.25 MiB caps): 1 + 5.5 =
+    6.5 ms, then 2.5 + 1 ms: 6 ms exposed, 0.5 ms less, over 5 % of the backward but less
+    than the second collective's 2.5 ms: DDP's default stays."""
+    sizes, ready, backward = [3 * MiB // 10, MiB // 10], [0.001, 0.004], 0.004
+    link = Link(alpha=0.0025, beta=0.010 / MiB)
+    assert autocap.predict(sizes, ready, backward, [MiB // 4], link) == (pytest.approx(0.006, abs=1e-6), 2)
+    assert autocap.predict(sizes, ready, backward, autocap.default_limits(), link) == (
+        pytest.approx(0.0065, abs=1e-6), 1)
+    choice = autocap.choose(sizes, ready, backward, link)
+    assert choice.limits == autocap.default_limits() and choice.buckets_chosen == 1
+
+
 def test_caps_above_the_in_flight_budget_are_not_chosen():
     link = Link(alpha=0.030, beta=0.001 / MiB)
     choice = autocap.choose(SIZES, READY, BACKWARD, link, max_in_flight=2 * MiB)

@@ -52,6 +52,7 @@ from typing import Any
 
 from bench._lib import jobs as jobs_lib
 from bench._lib import step, timeline
+from bench._lib.models import world_size
 from bench._lib.modes import AOT_FLOOR, CA_FLOOR, COMM_FLOOR, EAGER_FLOOR, FLOORS, all_modes
 from bench._lib.record import RESULTS_DIR, out_path, spread, write_json
 
@@ -323,7 +324,8 @@ def main(args: argparse.Namespace, models: list[str], rounds: int, steps: int, m
                       if "trace" in res.get(m, {}).get(rate, {})}
             if len(traces) == len(TIMELINE_MODES):
                 path = out_path(f"step_time_link{_tag(meta)}_timeline_{model}_{rate}.png")
-                title = f"{model}, link {rate}: one step per rank (torch {meta['torch']}, 2 gloo ranks)"
+                title = (f"{model}, link {rate}: one step per rank (torch {meta['torch']}, "
+                         f"{world_size(model)} gloo ranks)")
                 timeline.plot(traces, summary[rate], path, title)
                 pictures[rate] = path
                 print(f"wrote {path}")
