@@ -24,6 +24,7 @@ measurement is recorded (its traceback) and the others go on.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import statistics
@@ -40,15 +41,21 @@ from torch.nn import functional as F  # noqa: N812 - torch's own spelling
 
 import ddp_fusion
 from bench._lib import _torch
-from bench._lib.models import GPT, MLP
+from bench._lib.models import GPT, GPT_BATCH, GPT_SEQ, GPT_VOCAB, MLP, MLP_BATCH, MLP_WIDTH
 
 SPECS = {
     "gpt": dict(vocab=8192, d=768, heads=12, layers=6, seq=256, batch=8),
     "mlp": dict(width=1024, depth=24, batch=256),
 }
-CPU_SIZE = {  # the shaped-link benchmark's models (bench/_lib/models.py)
-    "gpt": dict(vocab=1000, d=192, heads=4, layers=4, seq=64, batch=8),
-    "mlp": dict(width=256, depth=24, batch=128),
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    return {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not p.empty}
+
+
+CPU_SIZE = {  # the shaped-link benchmark's models, as bench/_lib/models.py builds them
+    "gpt": {**_defaults(GPT), "vocab": GPT_VOCAB, "seq": GPT_SEQ, "batch": GPT_BATCH},
+    "mlp": {**_defaults(MLP), "width": MLP_WIDTH, "batch": MLP_BATCH},
 }
 SMALL = {
     "gpt": dict(vocab=500, d=64, heads=2, layers=2, seq=32, batch=2),
