@@ -74,6 +74,10 @@ class HostGroup:
     def __init__(self, group: dist.ProcessGroup, prefix: str) -> None:
         self.group_name = group.group_name
         self.rank, self.size = group.rank(), group.size()
+        try:
+            self.global_ranks = dist.get_process_group_ranks(group)
+        except Exception:  # noqa: BLE001 - a group c10d does not know: its own ranks
+            self.global_ranks = list(range(self.size))
         self.prefix = prefix
         self.timeout: datetime.timedelta = _torch.distributed.group_timeout(group)
         self._pg = _torch.distributed.lazy_gloo_group(prefix, self.rank, self.size, self.timeout)
@@ -83,6 +87,13 @@ class HostGroup:
             target=_serve, args=(self._jobs,), name=f"ddp_fusion host group {self.group_name}", daemon=True
         )
         self._thread.start()
+
+    def ranks(self, ranks: Sequence[int]) -> str:
+        """Group ranks as a user reads them: ``0-3, 7``, with their global ranks
+        (which logs carry) where those differ."""
+        text = _ranges(ranks)
+        global_ranks = [self.global_ranks[r] for r in ranks]
+        return text if global_ranks == list(ranks) else f"{text} (global {_ranges(global_ranks)})"
 
     def ticket(self) -> int:
         """Number the next exchange asked for (the same number on every rank, which ask
@@ -175,6 +186,16 @@ class HostGroup:
                    else torch.empty(n, dtype=torch.uint8, device="cpu"))  # host-side on purpose
         self._pg.broadcast([payload], opts).wait()
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    out, start = [], ranks[0]
+    for prev, r in zip(ranks, [*ranks[1:], None]):
+        if r is None or r != prev + 1:  # a run of consecutive ranks ends at prev
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = r
+    return ", ".join(out)
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:

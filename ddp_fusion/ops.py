@@ -65,6 +65,39 @@ def _all_reduce_gradient(
     ready_order: int = -1,
     model_id: int = -1,
 ) -> torch.Tensor:
+    return _reduce_one(grad, group_name, reduce_op, name, comm_dtype, None)
+
+
+@_all_reduce_gradient.register_fake
+def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1, model_id=-1):
+    # The gradient's strides if it is dense (else contiguous), as empty_like gives:
+    # what every fused form returns (views of the reduced bucket, passes/concat.py).
+    return torch.empty_like(grad)
+
+
+@torch.library.custom_op("ddp_fusion::all_reduce_checked", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+def _all_reduce_checked(
+    grad: torch.Tensor,
+    divisor: torch.Tensor,
+    group_name: str,
+    reduce_op: str,
+    name: str,
+    comm_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """What the pass makes of a tagged all-reduce it cannot bucket (passes/__init__.py):
+    the same blocking all-reduce of one gradient, scaled by ``divisor``, the group's
+    divisor returned by the plan check's guard (a 0-d tensor on the gradient's device):
+    so it is issued after the check, like a bucket, and divides as the buckets do."""
+    return _reduce_one(grad, group_name, reduce_op, name, comm_dtype, divisor)
+
+
+@_all_reduce_checked.register_fake
+def _(grad, divisor, group_name, reduce_op, name, comm_dtype=None):
+    return torch.empty_like(grad)
+
+
+def _reduce_one(grad: torch.Tensor, group_name: str, reduce_op: str, name: str,
+                comm_dtype: torch.dtype | None, divisor: torch.Tensor | None) -> torch.Tensor:
     if reduce_op == HOOK:
         raise RuntimeError(
             f"ddp_fusion: gradient {name!r} of a model with a comm hook reached its "
@@ -79,20 +112,16 @@ def _all_reduce_gradient(
         )
     # cast, scale, sum, cast back: the order of torch's fp16/bf16 compress hooks
     out = grad.to(comm_dtype or grad.dtype, copy=True)
-    if reduce_op == "avg":
+    if divisor is not None:
+        out.div_(divisor)
+    elif reduce_op == "avg":
         out.div_(scaling.divisor(group))
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return torch.empty_like(grad).copy_(out)
 
 
-@_all_reduce_gradient.register_fake
-def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1, model_id=-1):
-    # The gradient's strides if it is dense (else contiguous), as empty_like gives:
-    # what every fused form returns (views of the reduced bucket, passes/concat.py).
-    return torch.empty_like(grad)
-
-
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
+ALL_REDUCE_CHECKED = torch.ops.ddp_fusion.all_reduce_checked.default
 
 
 def default_group(group: dist.ProcessGroup | None, who: str) -> dist.ProcessGroup:

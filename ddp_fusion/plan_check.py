@@ -37,7 +37,7 @@ import concurrent.futures
 import functools
 import hashlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -263,10 +263,11 @@ def describe_mismatch(host: host_group.HostGroup, ticket: int, group_name: str, 
     """Every rank's side of a failed plan check (``mine``: this rank's plan hash, None
     for a joined rank), described by group rank 0 from the store."""
     return host.report("plan", ticket, JOINED if mine is None else str(mine),
-                       lambda payloads: _describe(group_name, payloads))
+                       lambda payloads: _describe(group_name, payloads, host.ranks))
 
 
-def _describe(group_name: str, payloads: Sequence[str]) -> str:
+def _describe(group_name: str, payloads: Sequence[str],
+              show_ranks: Callable[[Sequence[int]], str] = str) -> str:
     """The ranks' plans (hashes, or :data:`JOINED`), grouped by plan: which ranks run
     what, and which gradients some ranks lack."""
     ranks_of: dict[str, list[int]] = {}
@@ -282,7 +283,7 @@ def _describe(group_name: str, payloads: Sequence[str]) -> str:
     names = {p: {n for b in buckets for n in b.grads} for p, buckets in plans.items()}
     everyone = set.union(*names.values()) if names else set()
     for p, ranks in ranks_of.items():
-        who = f"group rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)}"
+        who = f"group rank{'s' if len(ranks) > 1 else ''} {show_ranks(ranks)}"
         if p == JOINED:
             lines.append(f"  {who}: joined (join(): shadows the others' plan)")
             continue
@@ -298,13 +299,3 @@ def _describe(group_name: str, payloads: Sequence[str]) -> str:
             "bucket arguments, dtypes or learned ready orders differ"
         )
     return "\n".join(lines)
-
-
-def _ranges(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
-    out, start = [], ranks[0]
-    for prev, r in zip(ranks, [*ranks[1:], None]):
-        if r is None or r != prev + 1:  # a run of consecutive ranks ends at prev
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = r
-    return ", ".join(out)

@@ -37,7 +37,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from . import _torch, comm_hooks, scaling
+from . import _torch, comm_hooks, host_group, scaling
 from .plan import split_by_rule
 
 
@@ -289,10 +289,8 @@ class EagerReducer:
     def _rebuild_from(self, order: list[int]) -> None:
         """Rebuild buckets from rank 0's ready order (once, after the first complete
         backward), so all ranks keep identical buckets."""
-        shared = [order]
-        if self.group.size() > 1:
-            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
-        self._build(shared[0])
+        host = host_group.of(self.group)  # host-side: no device, no current-device guess
+        self._build(host.broadcast_object(order) if host is not None else order)
         self.rebuilt = True
 
 

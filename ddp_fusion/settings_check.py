@@ -45,9 +45,8 @@ def check(host: HostGroup | None, who: str, when: str, settings: dict[str, Any])
         return
     rank0 = host.broadcast_object(text, src=0)
     mine = "\n".join(differences(json.loads(text), json.loads(rank0)))
-    group_name = host.group_name
     raise SettingsMismatchError(
-        host.report("settings", ticket, mine, lambda payloads: _describe(who, when, group_name, payloads))
+        host.report("settings", ticket, mine, lambda payloads: _describe(who, when, host, payloads))
     )
 
 
@@ -77,19 +76,19 @@ def _param(p: list[Any]) -> str:
     return f"{name!r} {tuple(shape)} {dtype}{'' if requires_grad else ' requires_grad=False'}"
 
 
-def _describe(who: str, when: str, group_name: str, payloads: list[str]) -> str:
+def _describe(who: str, when: str, host: HostGroup, payloads: list[str]) -> str:
     ranks_of: dict[str, list[int]] = {}
     for rank, diff in enumerate(payloads):
         if diff:
             ranks_of.setdefault(diff, []).append(rank)
     lines = [
-        f"ddp_fusion: {who}: the ranks of process group {group_name!r} have different "
+        f"ddp_fusion: {who}: the ranks of process group {host.group_name!r} have different "
         f"settings {when}, and these settings decide which collectives a rank issues (a "
         "hang, or gradients mixed across ranks). Every rank must wrap the same model with "
         "the same arguments and ddp_fusion settings (environment variables included):"
     ]
     for diff, ranks in ranks_of.items():
-        shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+        shown = host.ranks(ranks)
         for line in diff.splitlines():
             lines.append(f"  group rank{'s' if len(ranks) > 1 else ''} {shown}: {line}")
     return "\n".join(lines)

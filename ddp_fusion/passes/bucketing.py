@@ -181,5 +181,5 @@ def to_plan(buckets: list[Bucket], unfused: list[Unfused], algorithm: str) -> Bu
             )
             for i, b in enumerate(buckets)
         ),
-        tuple((u.node.name, u.reason) for u in unfused),
+        tuple((u.label, u.reason, u.group_name) for u in unfused),
     )
