@@ -18,12 +18,14 @@ from .comm_hooks import CommHookError
 from .config import config
 from .ops import all_reduce_gradient
 from .plan_check import PlanMismatchError
+from .settings_check import SettingsMismatchError
 from .wrapper import DistributedDataParallel
 
 __all__ = [
     "CommHookError",
     "DistributedDataParallel",
     "PlanMismatchError",
+    "SettingsMismatchError",
     "all_reduce_gradient",
     "config",
     "passes",

@@ -58,6 +58,9 @@ class SyncState:
     every rank takes): buckets follow the graph's order, as was warned then."""
     settings_checked: bool = False
     """The settings were compared across the ranks at the first forward."""
+    failed: BaseException | None = None
+    """What the first forward's checks raised: raised again at every forward (the
+    model's ranks disagree; it cannot train)."""
     forward_param_sync: bool = True
     """eager DDP's ``require_forward_param_sync``: sync buffers at the next forward."""
     forwarded: bool = False
@@ -156,8 +159,15 @@ def _on_forward(key: tuple[int, bool], inputs: Any) -> None:
     model_id, traced = key
     ref = _syncs.get(model_id)
     sync = ref() if ref is not None else None
-    if sync is None:
+    if sync is None or sync.state.failed is not None:
         return
+    try:
+        _first_forward_checks(sync, traced, inputs)
+    except Exception as e:  # noqa: BLE001 - GradSync.before_forward raises it, outside the trace
+        sync.state.failed = e
+
+
+def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
     state = sync.state
     if not traced and state.holds_compiled_code is None:
         state.holds_compiled_code = _torch.dynamo.holds_compiled_code(sync.module)
@@ -176,6 +186,10 @@ def _on_forward(key: tuple[int, bool], inputs: Any) -> None:
     effects.want(effects.COMPILED_AUTOGRAD)
     if not state.ready_learned and torch.is_grad_enabled():
         _learn_ready_order(sync, inputs)
+
+
+def _raise_failed(state: SyncState) -> None:
+    raise state.failed  # type: ignore[misc]
 
 
 def _has_dynamic_shapes(inputs: Any) -> bool:
@@ -385,7 +399,7 @@ class GradSync:
                                        if p.requires_grad and n not in reduced],
             "bucket caps (bytes)": "auto" if auto else list(limits),
             "link (config.link)": config.link if auto else None,
-            "comm_dtype": str(comm_dtype),
+            "comm_dtype": str(comm_dtype).removeprefix("torch.") if comm_dtype else None,
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
             **(settings or {}),
@@ -433,6 +447,7 @@ class GradSync:
         # The join prelude runs eagerly, outside a compiled forward (made here, not at
         # import: torch.compiler.disable imports Dynamo).
         self._join_prelude = torch.compiler.disable(join.prelude)
+        self._raise_failed = torch.compiler.disable(_raise_failed)
         if log.isEnabledFor(logging.INFO):
             nbytes = sum(_torch.tensors.local_tensor(p.detach()).nbytes for _, p in params)
             log.info(
@@ -464,7 +479,7 @@ class GradSync:
             "runs fused (compiled, with config.enabled)": compiled and config.enabled,
             "config.algorithm": config.algorithm if compiled and config.enabled else None,
             "comm hook": state.comm_hook,
-            "comm_dtype": str(state.comm_dtype),
+            "comm_dtype": str(state.comm_dtype).removeprefix("torch.") if state.comm_dtype else None,
             "link (config.link)": config.link if self.auto else None,
         }
 
@@ -495,6 +510,11 @@ class GradSync:
             state.require_backward_grad_sync = sync_grads
         traced = torch.compiler.is_compiling()
         _torch.dynamo.call_with_example_inputs(_on_forward, (self.model_id, traced), args, kwargs)
+        if state.failed is not None:
+            # raised where the forward runs, not inside Dynamo's trace (where it would
+            # reach the user wrapped in an InternalTorchDynamoError): compiled, reading
+            # the field after the trace-time callback makes Dynamo break the graph here
+            self._raise_failed(state)
         joining = _torch.distributed.join_enabled(joinable)
         if joining:
             self._join_prelude(self, joinable, buffers)

@@ -59,13 +59,15 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
                 f = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
                 if n in index:
                     f.register_post_accumulate_grad_hook(lambda _, i=index[n]: order.append(i))
-                state[n] = f
+                state[f"module.{n}"] = f
             for n, b in module.named_buffers():
-                state[n] = mode.from_tensor(b.detach())
+                state[f"module.{n}"] = mode.from_tensor(b.detach())
             fake_args, fake_kwargs = _torch.tensors.tree_map(fake, (args, kwargs))
             with mode:
-                out = torch.func.functional_call(module, state, fake_args, fake_kwargs)
-                _loss_of(out).backward()
+                # forward and backward inside one functional_call: activation
+                # checkpointing recomputes the forward in backward, which must see the
+                # fake parameters too
+                torch.func.functional_call(_ForwardBackward(module), state, (fake_args, fake_kwargs))
     finally:
         _running -= 1
         _restore(saved)
@@ -74,6 +76,17 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
         raise RuntimeError(f"the forward left fake tensors in the model: {', '.join(leaked[:5])}")
     seen = set(order)
     return order + [i for i in reversed(range(len(names))) if i not in seen]
+
+
+class _ForwardBackward(torch.nn.Module):
+    """``module``'s forward, then the backward of its output's sum."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, args: Any, kwargs: Any) -> None:
+        _loss_of(self.module(*args, **kwargs)).backward()
 
 
 def timed_ready_order(module: torch.nn.Module, names: list[str], args: Any,
