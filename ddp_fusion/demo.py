@@ -39,10 +39,10 @@ def _model(width: int, depth: int) -> torch.nn.Module:
 def _collectives(step) -> int:
     """All-reduces the process groups ran during ``step()``, as c10d's flight recorder
     saw them (every collective, eager or compiled, on any thread; prints nothing)."""
-    before = max((i for i, _ in _torch.distributed.collectives_recorded()), default=-1)
+    before = max((i for i, _, _ in _torch.distributed.collectives_recorded()), default=-1)
     step()
     return sum(
-        1 for i, name in _torch.distributed.collectives_recorded()
+        1 for i, name, _ in _torch.distributed.collectives_recorded()
         if i > before and name.endswith(":all_reduce")
     )
 
@@ -70,7 +70,7 @@ def _run(rank: int, world_size: int, args: argparse.Namespace, dump_dir: str) ->
             )
             model = torch.compile(ddp)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            x = torch.randn(args.batch, args.width)
+            x = torch.randn(args.batch, args.width, device="cpu")  # the demo's gloo ranks run on the CPU
 
             def step(model=model, opt=opt, x=x) -> None:
                 opt.zero_grad(set_to_none=False)

@@ -150,8 +150,9 @@ def flight_recorder_on() -> bool:
     return os.environ.get(FLIGHT_RECORDER_ENV, "0").strip() not in ("", "0")
 
 
-def collectives_recorded() -> list[tuple[int, str]]:
-    """``(record id, profiling name)`` of the collectives c10d's flight recorder holds
+def collectives_recorded() -> list[tuple[int, str, str]]:
+    """``(record id, profiling name, process group name)`` of the collectives c10d's
+    flight recorder holds
     (the last ``TORCH_FR_BUFFER_SIZE`` this process issued, on any process group and
     thread, eager or from a compiled graph; gloo names an all-reduce
     ``"gloo:all_reduce"``, coalesced or not), oldest first. Record ids grow by one per
@@ -164,4 +165,5 @@ def collectives_recorded() -> list[tuple[int, str]]:
             "groups are created"
         )
     trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-    return [(e["record_id"], e["profiling_name"]) for e in trace.get("entries", [])]
+    return [(e["record_id"], e["profiling_name"], e.get("process_group", ("?",))[0])
+            for e in trace.get("entries", [])]
