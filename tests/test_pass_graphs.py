@@ -531,3 +531,28 @@ def test_dp_x_tp_on_a_2d_device_mesh(shape):
     dp, tp = mesh["dp"].get_group(), mesh["tp"].get_group()
     assert dp.group_name != tp.group_name
     _check_dp_x_tp_backward(dp, tp)
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_an_unfused_all_reduce_divides_by_joins_divisor():
+    """A tagged all-reduce that is not bucketed (run eagerly, or a symbolic-shape
+    gradient the pass leaves as ``all_reduce_checked``) divides by the divisor of this
+    step (scaling.py: under ``join(divide_by_initial_world_size=False)``, the ranks still
+    training), as the buckets do, not by the group size (the fake group's all-reduce
+    returns its input, so the result is the input over the divisor)."""
+    from ddp_fusion import scaling
+
+    def fn(a):
+        return ddp_fusion.all_reduce_gradient(a * 1)
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(4))
+    result = fuse(gm)
+    assert len(result.unfused) == 1 and result.unfused[0].node.target is ALL_REDUCE_CHECKED
+    g = torch.arange(4.0)
+    world = dist.group.WORLD
+    assert torch.equal(gm(g), g / 2) and torch.equal(ddp_fusion.all_reduce_gradient(g), g / 2)
+    scaling.set_divisor(world, 1)  # one of the two ranks still training
+    try:
+        assert torch.equal(gm(g), g) and torch.equal(ddp_fusion.all_reduce_gradient(g), g)
+    finally:
+        scaling.set_divisor(world, None)
