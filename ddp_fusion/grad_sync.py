@@ -319,6 +319,7 @@ class GradSync:
         auto: bool = False,
     ) -> None:
         _torch.check_torch()
+        effects.want(effects.IN_USE)  # under DDP_FUSION=1, the pass goes into its slot now
         for name, p in params:
             if p.device.type == "meta":
                 raise ValueError(
