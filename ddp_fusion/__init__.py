@@ -20,12 +20,14 @@ from .config import config
 from .log import log as _log
 from .ops import all_reduce_gradient
 from .plan_check import PlanMismatchError
+from .settings_check import SettingsMismatchError
 from .wrapper import DistributedDataParallel
 
 __all__ = [
     "CommHookError",
     "DistributedDataParallel",
     "PlanMismatchError",
+    "SettingsMismatchError",
     "all_reduce_gradient",
     "config",
     "passes",

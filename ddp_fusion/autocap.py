@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from . import _torch, ready_order
 from .config import config
+from .host_group import HostGroup
 from .log import log
 from .plan import DEFAULT_BUCKET_CAP_MB, MiB, split_by_rule
 
@@ -150,18 +151,29 @@ def choose(sizes: Sequence[int], ready: Sequence[float], backward_s: float, link
                   measured_link)
 
 
-def measure_link(group: dist.ProcessGroup, device: torch.device) -> Link:
+def measure_link(group: dist.ProcessGroup, device: torch.device, host: HostGroup | None) -> Link | str:
     """The link of ``group`` from the fastest of :data:`PROBE_REPS` all-reduces of each
     of :data:`PROBE_BYTES`: ``alpha`` is the time of the smallest, ``beta`` the slope
-    between the two larger (every rank must call it).
+    between the two larger (every rank must call it). The probe tensors are made first,
+    and the ranks agree on ``host`` that every one could make them before any probe is
+    issued: if one could not (out of memory, say), none probes, and every rank gets why
+    (a string) instead of a link.
 
     A slope between two large sizes, not a least-squares fit through all three, because
     what a small all-reduce costs is not on the line through the large ones: a shaped
     link's burst, or a small-message algorithm, makes the intercept of such a fit
     meaningless (it came out as 0 us or as 1.9 ms on the same loopback)."""
+    try:
+        probes = [torch.zeros(nbytes // 4, dtype=torch.float32, device=device) for nbytes in PROBE_BYTES]
+        failed = None
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it before probing
+        probes, failed = [], f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    if host is not None and host.max([failed is not None])[0]:
+        return failed or "another rank could not make the link probe's tensors"
+    if failed is not None:
+        return failed
     fastest = []
-    for nbytes in PROBE_BYTES:
-        t = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    for t in probes:
         dist.all_reduce(t, group=group)  # warm-up: connections, buffers
         times = []
         for _ in range(PROBE_REPS):
@@ -181,24 +193,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def link_of(group: dist.ProcessGroup, device: torch.device) -> tuple[Link, bool]:
+def link_of(group: dist.ProcessGroup, device: torch.device,
+            host: HostGroup | None) -> tuple[Link, bool] | str:
     """``config.link`` (latency in microseconds, bandwidth in GB/s), else the link
-    measured now (every rank of ``group`` must call it then); and whether measured."""
+    measured now (every rank of ``group`` must call it then, with the same
+    ``config.link``: the settings check, settings_check.py, compares it first); and
+    whether measured. Why not, if it could not be measured."""
     if config.link is None:
-        return measure_link(group, device), True
-    latency_us, gbytes_per_s = config.link
-    return Link(latency_us * 1e-6, 1e-9 / gbytes_per_s), False
+        link = measure_link(group, device, host)
+        return link if isinstance(link, str) else (link, True)
+    return configured_link(config.link), False
+
+
+def configured_link(link: tuple[float, float]) -> Link:
+    """``config.link``'s ``(latency in microseconds, bandwidth in GB/s)`` as a Link."""
+    latency_us, gbytes_per_s = link
+    return Link(latency_us * 1e-6, 1e-9 / gbytes_per_s)
 
 
 def decide(module: torch.nn.Module, names: list[str], local_sizes: list[int], link: Link,
-           measured_link: bool, model_id: int, args: Any,
-           kwargs: Any) -> tuple[list[int], Choice] | None:
+           measured_link: bool, args: Any, kwargs: Any) -> tuple[list[int], Choice] | str:
     """Eager autograd's ready order (indices into ``names``) and the chosen limits, from
-    a timed eager run on inputs like ``args``/``kwargs``; None if the model cannot run
-    so (logged; DDP's caps then)."""
+    a timed eager run on inputs like ``args``/``kwargs``; why not (a line, not logged)
+    if the model cannot run so (DDP's caps then)."""
     timed = ready_order.timed_ready_order(module, names, args, kwargs)
-    if timed is None:
-        return None
+    if isinstance(timed, str):
+        return timed
     order, ready = timed  # ready[k]: when gradient order[k] became ready
     sizes = [local_sizes[i] for i in order]
     backward_s = max(ready, default=0.0)

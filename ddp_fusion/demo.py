@@ -178,7 +178,7 @@ def main() -> None:
         print(f"  bucket {i}: {b['num_grads']:3d} grads  {b['bytes'] / 2**20:8.3f} MiB  "
               f"{b['dtype']} group={b['group']}  [{', '.join(b['grads'])}]")
     for u in plan["unfused"]:
-        print(f"  unfused: {u['node']}: {u['reason']}")
+        print(f"  unfused: {u['grad']}: {u['reason']}")
     print(f"\n{'mode':<14}{'all-reduces/step':>18}{'step ms (median)':>18}{'spread ms':>11}{'compile s':>11}")
     for mode in MODES:
         r = results[mode]

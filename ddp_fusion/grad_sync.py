@@ -34,12 +34,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _torch, autocap, comm_hooks, effects, join, ready_order
+from . import _torch, autocap, comm_hooks, effects, host_group, join, ready_order, settings_check
 from .config import config
 from .log import log
-from .ops import ALL_REDUCE_GRADIENT, HOOK
+from .ops import ALL_REDUCE_GRADIENT, HOOK, READY_NOT_LEARNED, READY_UNKNOWN
 from .plan import MiB
-from .plan_check import has_peers
 from .reducer import EagerReducer
 
 
@@ -54,6 +53,14 @@ class SyncState:
     ready_learned: bool = False
     ready_position: tuple[int, ...] | None = None
     """Parameter index -> position in eager autograd's ready order (ready_order.py)."""
+    ready_failed: bool = False
+    """Learning the ready order was tried and failed (on group rank 0, whose outcome
+    every rank takes): buckets follow the graph's order, as was warned then."""
+    settings_checked: bool = False
+    """The settings were compared across the ranks at the first forward."""
+    failed: BaseException | None = None
+    """What the first forward's checks raised: raised again at every forward (the
+    model's ranks disagree; it cannot train)."""
     forward_param_sync: bool = True
     """eager DDP's ``require_forward_param_sync``: sync buffers at the next forward."""
     forwarded: bool = False
@@ -89,7 +96,8 @@ def _make_hook(
             # Traced by compiled autograd: one tagged all-reduce, fused by the pass.
             # A DTensor gradient: reduce its local shard over the data-parallel group.
             grad = _torch.tensors.local_tensor(param.grad)
-            ready = -1 if state.ready_position is None else state.ready_position[index]
+            ready = (state.ready_position[index] if state.ready_position is not None
+                     else READY_NOT_LEARNED if state.ready_failed else READY_UNKNOWN)
             reduced = ALL_REDUCE_GRADIENT(
                 grad, group_name, state.reduce_op, limits, name, state.comm_dtype, ready, model_id
             )
@@ -151,14 +159,24 @@ def _on_forward(key: tuple[int, bool], inputs: Any) -> None:
     model_id, traced = key
     ref = _syncs.get(model_id)
     sync = ref() if ref is not None else None
-    if sync is None:
+    if sync is None or sync.state.failed is not None:
         return
+    try:
+        _first_forward_checks(sync, traced, inputs)
+    except Exception as e:  # noqa: BLE001 - GradSync.before_forward raises it, outside the trace
+        sync.state.failed = e
+
+
+def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
     state = sync.state
-    if not traced:
-        if state.holds_compiled_code is None:
-            state.holds_compiled_code = _torch.dynamo.holds_compiled_code(sync.module)
-        if not state.holds_compiled_code:
-            return  # eager: the eager reducer (no compile the user did not ask for)
+    if not traced and state.holds_compiled_code is None:
+        state.holds_compiled_code = _torch.dynamo.holds_compiled_code(sync.module)
+    compiled = traced or bool(state.holds_compiled_code)
+    if not state.settings_checked:
+        state.settings_checked = True
+        settings_check.check(sync.host, sync.who, "at their first forward", sync.forward_settings(compiled))
+    if not compiled:
+        return  # eager: the eager reducer (no compile the user did not ask for)
     if not config.enabled:
         state.compiled_while_disabled = True
         return
@@ -168,6 +186,10 @@ def _on_forward(key: tuple[int, bool], inputs: Any) -> None:
     effects.want(effects.COMPILED_AUTOGRAD)
     if not state.ready_learned and torch.is_grad_enabled():
         _learn_ready_order(sync, inputs)
+
+
+def _raise_failed(state: SyncState) -> None:
+    raise state.failed  # type: ignore[misc]
 
 
 def _has_dynamic_shapes(inputs: Any) -> bool:
@@ -187,43 +209,68 @@ def _has_dynamic_shapes(inputs: Any) -> bool:
 
 def _learn_ready_order(sync: GradSync, inputs: Any) -> None:
     """The ready order (with ``bucket_cap_mb="auto"``: and the bucket limits, autocap.py),
-    group rank 0's."""
-    order, choice = None, None
-    # every rank measures the link together, whatever else happens
-    link = autocap.link_of(sync.group, sync.device) if sync.auto else None
-    try:
-        args, kwargs = inputs()
-    except Exception as e:  # noqa: BLE001 - an argument Dynamo cannot give
-        ready_order.graph_order(f"forward arguments: {e}")
-    else:
-        if link is not None:
-            sizes = [_torch.tensors.local_tensor(p.detach()).nbytes for _, p in sync.params]
-            decided = autocap.decide(sync.module, sync.names, sizes, *link, sync.model_id, args, kwargs)
-            if decided is not None:
-                order, choice = decided
-        if order is None:
-            order = ready_order.learn(sync.module, sync.names, args, kwargs)
-    order, choice = _from_rank0((order, choice), sync.group)
+    group rank 0's: each rank tries on its own (the runs issue no collective of the
+    model's group, and a failure is caught), then group rank 0's outcome is broadcast
+    on the host group and every rank takes it, failure included. So every rank runs the
+    same plan whichever ranks failed, and no rank leaves the others waiting."""
+    mine = _learn_here(sync, inputs)
+    host = sync.host
+    order, choice, why_order, why_caps = host.broadcast_object(mine) if host else mine
+    rank0 = host is None or host.rank == 0
+
+    def whose(why: str | None) -> str:
+        return f"{why}" if rank0 else f"on group rank 0, whose choice every rank takes: {why}"
+
+    if order is None:  # group rank 0 could not: every rank buckets in the graph's order
+        ready_order.graph_order(whose(why_order))
+        sync.state.ready_failed = True
+    elif mine[0] is None:
+        log.warning(
+            "ddp_fusion: this rank could not learn eager autograd's ready order (%s); it "
+            "runs group rank 0's, as every rank of the group does", mine[2],
+        )
+    if sync.auto and choice is None:
+        log.warning("ddp_fusion: bucket_cap_mb='auto' for model %d keeps DDP's default bucket "
+                    "caps: %s", sync.model_id, whose(why_caps))
+    elif sync.auto and mine[1] is None:
+        log.warning("ddp_fusion: this rank could not choose bucket caps for bucket_cap_mb='auto' "
+                    "(%s); it runs group rank 0's choice, as every rank of the group does", mine[3])
     if choice is not None:
         sync.limits[:] = choice.limits  # the hooks' and the eager reducer's limits
         sync.sizing = choice
-        not_rank0 = has_peers(sync.group) and dist.get_rank(sync.group) != 0
-        autocap.show(choice, sync.model_id, from_rank0=not_rank0)
-    state = sync.state
+        autocap.show(choice, sync.model_id, from_rank0=not rank0)
     if order is not None:
         position = [0] * len(sync.names)
         for rank, i in enumerate(order):
             position[i] = rank
-        state.ready_position = tuple(position)
-    state.ready_learned = True
+        sync.state.ready_position = tuple(position)
+    sync.state.ready_learned = True
 
 
-def _from_rank0(value: Any, group: dist.ProcessGroup) -> Any:
-    if not has_peers(group):
-        return value
-    shared = [value]
-    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
-    return shared[0]
+def _learn_here(sync: GradSync, inputs: Any) -> tuple[list[int] | None, Any, str | None, str | None]:
+    """This rank's ready order and (``auto``) choice of caps, each with why not where
+    it could not make it. Never raises."""
+    try:
+        args, kwargs = inputs()
+    except Exception as e:  # noqa: BLE001 - an argument Dynamo cannot give
+        return None, None, f"forward arguments: {e}", f"forward arguments: {e}"
+    order, choice, why_caps = None, None, None
+    link = sync.link()
+    if isinstance(link, str):
+        why_caps = f"the link could not be measured: {link}"
+    elif link is not None:
+        sizes = [_torch.tensors.local_tensor(p.detach()).nbytes for _, p in sync.params]
+        decided = autocap.decide(sync.module, sync.names, sizes, *link, args, kwargs)
+        if isinstance(decided, str):
+            why_caps = decided
+        else:
+            order, choice = decided
+    if order is not None:
+        return order, choice, None, why_caps
+    learned = ready_order.learn(sync.module, sync.names, args, kwargs)
+    if isinstance(learned, str):
+        return None, choice, learned, why_caps
+    return learned, choice, None, why_caps
 
 
 def _model_id(names: list[str], group_name: str) -> int:
@@ -302,7 +349,13 @@ class GradSync:
         find_unused_parameters, gradient_as_bucket_view: torch DDP's arguments.
         who: the model's name in error messages.
         auto: ``bucket_cap_mb="auto"``: choose the limits for the link and the backward
-            at the first compiled forward (autocap.py).
+            at the first compiled forward (autocap.py); the link is measured here.
+        settings: more of the model's settings that decide its collectives (say,
+            ``broadcast_buffers``), compared across the ranks with the others here.
+
+    Construction is collective over ``group``: every rank's settings (the module's
+    parameters, which of them are reduced, the bucket arguments) are compared first
+    (settings_check.py), and raise on every rank if they differ.
     """
 
     def __init__(
@@ -317,6 +370,7 @@ class GradSync:
         who: str,
         gradient_as_bucket_view: bool = False,
         auto: bool = False,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         _torch.check_torch()
         effects.want(effects.IN_USE)  # under DDP_FUSION=1, the pass goes into its slot now
@@ -336,6 +390,21 @@ class GradSync:
                         f"{who}: gradient_as_bucket_view with DTensor parameter {name!r} is "
                         "not supported"
                     )
+        self.who = who
+        self.host = host_group.of(group)
+        reduced = {n for n, _ in params}
+        settings_check.check(self.host, who, "at construction", {
+            "parameters": [[n, list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad]
+                           for n, p in module.named_parameters()],
+            "parameters not reduced": [n for n, p in module.named_parameters()
+                                       if p.requires_grad and n not in reduced],
+            "bucket caps (bytes)": "auto" if auto else list(limits),
+            "link (config.link)": config.link if auto else None,
+            "comm_dtype": str(comm_dtype).removeprefix("torch.") if comm_dtype else None,
+            "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            **(settings or {}),
+        })
         if any(_torch.tensors.is_dtensor(p) for _, p in params):
             effects.want(effects.DTENSOR_CLONE)
         self.module = module
@@ -352,6 +421,10 @@ class GradSync:
         self.limits = limits
         self.auto = auto
         self.sizing: autocap.Choice | None = None  # what "auto" chose, and why
+        # "auto": the link measured now, outside any compile, every rank together (or
+        # why not); config.link, if set by the first compiled forward, wins
+        self._measured_link = (autocap.measure_link(group, self.device, self.host)
+                               if auto and config.link is None else None)
         if find_unused_parameters:
             # Eager DDP never rebuilds its buckets with this flag: they stay in reverse
             # parameter order (the eager reducer's order too); nothing to learn.
@@ -375,6 +448,7 @@ class GradSync:
         # The join prelude runs eagerly, outside a compiled forward (made here, not at
         # import: torch.compiler.disable imports Dynamo).
         self._join_prelude = torch.compiler.disable(join.prelude)
+        self._raise_failed = torch.compiler.disable(_raise_failed)
         if log.isEnabledFor(logging.INFO):
             nbytes = sum(_torch.tensors.local_tensor(p.detach()).nbytes for _, p in params)
             log.info(
@@ -385,6 +459,30 @@ class GradSync:
                 ", find_unused_parameters" if find_unused_parameters else "",
                 f", comm dtype {comm_dtype}" if comm_dtype else "",
             )
+
+    def link(self) -> tuple[autocap.Link, bool] | str | None:
+        """For ``auto``: the link to plan for (``config.link`` if set, else the one
+        measured at construction) and whether measured, or why there is none; None
+        without ``auto``."""
+        if not self.auto:
+            return None
+        if config.link is not None:
+            return autocap.configured_link(config.link), False
+        if self._measured_link is None:  # config.link was set at construction, then cleared
+            return "config.link was cleared after the model was built"
+        return self._measured_link if isinstance(self._measured_link, str) else (self._measured_link, True)
+
+    def forward_settings(self, compiled: bool) -> dict[str, Any]:
+        """What the ranks must agree on at the first forward (settings_check.py): what
+        may have changed since construction and decides this model's collectives."""
+        state = self.state
+        return {
+            "runs fused (compiled, with config.enabled)": compiled and config.enabled,
+            "config.algorithm": config.algorithm if compiled and config.enabled else None,
+            "comm hook": state.comm_hook,
+            "comm_dtype": str(state.comm_dtype).removeprefix("torch.") if state.comm_dtype else None,
+            "link (config.link)": config.link if self.auto else None,
+        }
 
     def before_forward(
         self,
@@ -413,6 +511,11 @@ class GradSync:
             state.require_backward_grad_sync = sync_grads
         traced = torch.compiler.is_compiling()
         _torch.dynamo.call_with_example_inputs(_on_forward, (self.model_id, traced), args, kwargs)
+        if state.failed is not None:
+            # raised where the forward runs, not inside Dynamo's trace (where it would
+            # reach the user wrapped in an InternalTorchDynamoError): compiled, reading
+            # the field after the trace-time callback makes Dynamo break the graph here
+            self._raise_failed(state)
         joining = _torch.distributed.join_enabled(joinable)
         if joining:
             self._join_prelude(self, joinable, buffers)

@@ -19,9 +19,13 @@ the compiled forward: :func:`prelude`)::
 
 joined rank, in :class:`JoinHook.main_hook`: the same collectives with zeros, the
 buckets taken from the plan the active ranks run (compiled: their plan hash arrives
-in the plan check's all-gather, the plan itself from the store, where every rank
-publishes a plan the first time it runs it, :func:`shadow_plan`; uncompiled: its own
-eager reducer's buckets, which are every rank's). ``divide_by_initial_world_size=False``
+in the plan check's exchange on the host group, to which a joined rank adds nothing,
+and the plan itself from the store, where it is published the first time it runs,
+:func:`shadow_plan`; uncompiled: its own eager reducer's buckets, which are every
+rank's). Whether the active ranks' backward is fused is whether their model's forward
+ran compiled with ``config.enabled`` on (the model's ``state.compiled``), not the flag
+alone: a model that is not compiled reduces through the eager reducer even with the
+flag on. ``divide_by_initial_world_size=False``
 divides by the number of active ranks counted in the third all-reduce, read by the
 bucket scaling at run time (``scaling.divisor``), so no recompile. ``post_hook``
 broadcasts the parameters (and buffers) from the last rank to join, as torch DDP does.
@@ -55,7 +59,8 @@ class Joining(Protocol):
     """Parameter names the model does not reduce."""
     state: Any
     """Reads and sets ``require_backward_grad_sync``, ``forward_param_sync`` and
-    ``join_divide_by_initial``."""
+    ``join_divide_by_initial``; reads ``compiled`` (the model's forward ran compiled with
+    ``config.enabled`` on)."""
 
     def buffers_of(self) -> list[torch.Tensor] | None:
         """The buffers the model broadcasts at a forward (None: it does not)."""
@@ -87,7 +92,8 @@ def prelude(sync: Joining, joinable: Any, buffers: list[torch.Tensor] | None) ->
     if buffers and state.forward_param_sync:
         sync.broadcast(buffers, _find_common_rank(group, sync.device, True))
     syncs = torch.is_grad_enabled() and state.require_backward_grad_sync
-    flags = torch.tensor([1.0, float(syncs), float(config.enabled)], device=sync.device)
+    fused = state.compiled and config.enabled  # else the eager reducer's buckets
+    flags = torch.tensor([1.0, float(syncs), float(fused)], device=sync.device)
     dist.all_reduce(flags, group=group)
     active = int(flags[0].item())
     scaling.set_divisor(group, group.size() if state.join_divide_by_initial else active)
@@ -138,21 +144,12 @@ class DDPJoinHook(JoinHook):
 
 def shadow_plan(group: dist.ProcessGroup, device: torch.device) -> None:
     """A joined rank's part of one fused backward of ``group``'s active ranks: the plan
-    check's all-gather, sending :data:`plan_check.JOINED`, which brings the active
-    ranks' plan hash; then that plan's buckets, all-reduced as zeros in the same order,
-    sizes and dtypes, with the same collective (``concat``: one flat all-reduce per
-    bucket; ``coalesced``: one coalesced all-reduce of the bucket's gradients; a hooked
-    bucket: the model's comm hook, on zeros, as torch DDP)."""
-    everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
-    mine = torch.full((1,), plan_check.JOINED, dtype=torch.int64, device=device)
-    dist.all_gather_single(everyone, mine, group=group)
-    hashes = sorted({h for h in everyone.tolist() if h != plan_check.JOINED})
-    if len(hashes) != 1:  # the active ranks raise PlanMismatchError at the same step
-        raise plan_check.PlanMismatchError(
-            f"ddp_fusion: join(): the active ranks of process group {group.group_name!r} "
-            f"run {len(hashes)} different bucket plans; this joined rank cannot shadow them"
-        )
-    plan = plan_check.published_plan(hashes[0])
+    check's exchange (``plan_check.shadow_exchange``), which brings the active ranks'
+    plan; then that plan's buckets, all-reduced as zeros in the same order, sizes and
+    dtypes, with the same collective (``concat``: one flat all-reduce per bucket;
+    ``coalesced``: one coalesced all-reduce of the bucket's gradients; a hooked bucket:
+    the model's comm hook, on zeros, as torch DDP)."""
+    plan = plan_check.shadow_exchange(group)
     plan_check.hook_groups(plan, group)
     funcol = _torch.distributed.c10d_functional
     for b in plan_check.parse(plan).buckets:

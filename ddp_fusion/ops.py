@@ -6,7 +6,9 @@ is inferred from the graph around them, so a world size of 1, a gradient that is
 scaled, or a tensor-parallel ``all_reduce`` in the same graph changes nothing.
 
 Run eagerly (no compile, or compiled with the pass off) the op is a plain blocking
-``all_reduce`` of one gradient: correct, one collective per gradient.
+``all_reduce`` of one gradient: correct, one collective per gradient, ``avg`` dividing
+by the group's divisor in this step (scaling.py: its size, or the ranks still
+training under ``join()``).
 
 Its eight arguments::
 
@@ -15,7 +17,9 @@ Its eight arguments::
 
 ``bucket_limits``, ``name``, ``ready_order`` and ``model_id`` are for the pass (the plan,
 the dumps): ``ready_order`` is the gradient's position in eager autograd's ready order
-(the order eager DDP buckets in), or -1 if unknown (the pass then uses graph order);
+(the order eager DDP buckets in), or -1 if unknown, or -2 if its model tried to learn
+it and could not (the pass then uses graph order; for -1 of a model's gradient it
+warns why the order is missing, for -2 the model warned already);
 ``model_id`` is the model whose hook made the call (its gradients never share a bucket
 with another model's, as two eager DDP models never do), or -1.
 """
@@ -27,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _torch, effects
+from . import _torch, effects, scaling
 from .plan import ddp_bucket_limits
 
 REDUCE_OPS = ("avg", "sum")
@@ -36,6 +40,12 @@ REDUCE_OPS = ("avg", "sum")
 HOOK = "hook"
 """The reduce op of a gradient whose model has a comm hook: the hook reduces its bucket
 (comm_hooks.py)."""
+
+READY_UNKNOWN = -1
+"""``ready_order`` of a gradient whose position in the ready order is not known."""
+READY_NOT_LEARNED = -2
+"""``ready_order`` of a gradient whose model tried to learn the ready order and could
+not (and warned then)."""
 
 #: Tags for ddp_fusion's ops: they talk to other ranks (and read values on the host),
 #: so a CUDA graph must never capture them; Inductor splits graphs around such ops.
@@ -55,6 +65,39 @@ def _all_reduce_gradient(
     ready_order: int = -1,
     model_id: int = -1,
 ) -> torch.Tensor:
+    return _reduce_one(grad, group_name, reduce_op, name, comm_dtype, None)
+
+
+@_all_reduce_gradient.register_fake
+def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1, model_id=-1):
+    # The gradient's strides if it is dense (else contiguous), as empty_like gives:
+    # what every fused form returns (views of the reduced bucket, passes/concat.py).
+    return torch.empty_like(grad)
+
+
+@torch.library.custom_op("ddp_fusion::all_reduce_checked", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+def _all_reduce_checked(
+    grad: torch.Tensor,
+    divisor: torch.Tensor,
+    group_name: str,
+    reduce_op: str,
+    name: str,
+    comm_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """What the pass makes of a tagged all-reduce it cannot bucket (passes/__init__.py):
+    the same blocking all-reduce of one gradient, scaled by ``divisor``, the group's
+    divisor returned by the plan check's guard (a 0-d tensor on the gradient's device):
+    so it is issued after the check, like a bucket, and divides as the buckets do."""
+    return _reduce_one(grad, group_name, reduce_op, name, comm_dtype, divisor)
+
+
+@_all_reduce_checked.register_fake
+def _(grad, divisor, group_name, reduce_op, name, comm_dtype=None):
+    return torch.empty_like(grad)
+
+
+def _reduce_one(grad: torch.Tensor, group_name: str, reduce_op: str, name: str,
+                comm_dtype: torch.dtype | None, divisor: torch.Tensor | None) -> torch.Tensor:
     if reduce_op == HOOK:
         raise RuntimeError(
             f"ddp_fusion: gradient {name!r} of a model with a comm hook reached its "
@@ -69,20 +112,16 @@ def _all_reduce_gradient(
         )
     # cast, scale, sum, cast back: the order of torch's fp16/bf16 compress hooks
     out = grad.to(comm_dtype or grad.dtype, copy=True)
-    if reduce_op == "avg":
-        out.div_(group.size())
+    if divisor is not None:
+        out.div_(divisor)
+    elif reduce_op == "avg":
+        out.div_(scaling.divisor(group))
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return torch.empty_like(grad).copy_(out)
 
 
-@_all_reduce_gradient.register_fake
-def _(grad, group_name, reduce_op, bucket_limits, name, comm_dtype=None, ready_order=-1, model_id=-1):
-    # The gradient's strides if it is dense (else contiguous), as empty_like gives:
-    # what every fused form returns (views of the reduced bucket, passes/concat.py).
-    return torch.empty_like(grad)
-
-
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
+ALL_REDUCE_CHECKED = torch.ops.ddp_fusion.all_reduce_checked.default
 
 
 def default_group(group: dist.ProcessGroup | None, who: str) -> dist.ProcessGroup:

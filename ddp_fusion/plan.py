@@ -10,7 +10,7 @@ fused graph), a joined rank replaying the others' plan, the dumps and the logs::
      "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg",
                   "algorithm": "concat", "bytes": 2048, "num_grads": 2, "numels": [256, 256],
                   "grads": ["module.fc2.bias", "module.fc2.weight"]}],
-     "unfused": [{"node": "all_reduce_gradient_7", "reason": "..."}]}
+     "unfused": [{"grad": "module.emb.weight", "group": "0", "reason": "..."}]}
 
 A bucket may also carry ``comm_dtype`` (gradients cast for the wire), ``hook`` (``[model
 id, index, count]``: the model's comm hook reduces it) and ``cut`` (why it closed
@@ -203,28 +203,31 @@ class PlannedBucket:
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:
     """The buckets of one graph, in issue order, and the tagged all-reduces left
-    unfused (``(node name, reason)``)."""
+    unfused (``(gradient label, reason, process group)``: each is one all-reduce of its
+    own, issued after the plan check like a bucket)."""
 
     algorithm: str
     buckets: tuple[PlannedBucket, ...]
-    unfused: tuple[tuple[str, str], ...] = ()
+    unfused: tuple[tuple[str, str, str], ...] = ()
 
     def of_group(self, group: str) -> BucketPlan:
-        """The buckets of one process group: what that group's ranks must agree on
-        (the plan check), and what a joined rank of it replays."""
-        return BucketPlan(self.algorithm, tuple(b for b in self.buckets if b.group == group))
+        """The buckets and unfused all-reduces of one process group: what that group's
+        ranks must agree on (the plan check), and what a joined rank of it replays."""
+        return BucketPlan(self.algorithm, tuple(b for b in self.buckets if b.group == group),
+                          tuple(u for u in self.unfused if u[2] == group))
 
     @property
     def groups(self) -> list[str]:
-        """The process groups of the buckets, in order of their first bucket."""
-        return list(dict.fromkeys(b.group for b in self.buckets))
+        """The process groups of the buckets, in order of their first bucket, then those
+        of unfused all-reduces only."""
+        return list(dict.fromkeys([*(b.group for b in self.buckets), *(u[2] for u in self.unfused)]))
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(
             {
                 "algorithm": self.algorithm,
                 "buckets": [b.to_dict() for b in self.buckets],
-                "unfused": [{"node": n, "reason": r} for n, r in self.unfused],
+                "unfused": [{"grad": n, "group": g, "reason": r} for n, r, g in self.unfused],
             },
             indent=indent,
         )
@@ -235,5 +238,5 @@ class BucketPlan:
         return cls(
             d["algorithm"],
             tuple(PlannedBucket.from_dict(b) for b in d["buckets"]),
-            tuple((u["node"], u["reason"]) for u in d.get("unfused", ())),
+            tuple((u["grad"], u["reason"], u["group"]) for u in d.get("unfused", ())),
         )

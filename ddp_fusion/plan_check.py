@@ -4,12 +4,15 @@ Collectives only work if every rank issues the same ones, in the same order, wit
 same sizes. Ranks whose backward graphs differ (a parameter unused on some ranks only,
 rank-dependent control flow, one rank recompiling) would plan different buckets, at the
 first step or at any later one. Each fused graph therefore starts with one
-``ddp_fusion::plan_check_start`` per process group, which issues an async all-gather of
-a hash of the group's plan (one int64 per rank: one small collective per group per
-step, overlapped with backward compute), and has one ``ddp_fusion::plan_guard`` right
-before the group's first bucket is issued, which waits for it. If the hashes differ,
-every rank reads the others' plans from the process group's store (no collective) and
-raises :class:`PlanMismatchError` naming the difference, before any bucket is issued.
+``ddp_fusion::plan_check_start`` per process group, which starts an exchange of a hash
+h of the group's plan on the group's host group (host_group.py: gloo, CPU tensors, the
+max of (h, -h) over the ranks by recursive doubling, O(log N) rounds, on the host
+group's own thread), and has one ``ddp_fusion::plan_guard`` right before the group's
+first bucket is issued, which collects it. Every rank runs the same plan exactly when
+both maxima give back its own h; if not, every rank raises :class:`PlanMismatchError`,
+before any bucket is issued, with a description that group rank 0 assembles from the
+store (host_group.HostGroup.report; on this error path only). No device tensor is read
+on the host: the check never waits for the GPU, only for the other ranks' hosts.
 
 The divisor of the bucket scaling is read at run time (scaling.py): nothing about the
 group is baked into the graph, so a graph served from Inductor's FX graph cache, or
@@ -22,26 +25,31 @@ bucket is issued, not at the start of backward (which would make the ranks wait 
 each other there, as eager DDP never does).
 
 The plan travels in the graph as the group's :class:`~ddp_fusion.plan.BucketPlan` in
-JSON (``BucketPlan.of_group(...).to_json()``). A joined rank (join.py) learns which plan
-the active ranks run from this same all-gather, and reads it from the store, where every
-rank publishes a plan the first time it runs it.
+JSON (``BucketPlan.of_group(...).to_json()``). A joined rank (join.py) takes part in the
+same exchange sending ``host_group.NEUTRAL``, learns the active ranks' plan hash from
+it, and reads the plan from the store, where one rank (the first to claim it) publishes
+each plan the first time it is run.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _torch, comm_hooks, dump, scaling
+from . import _torch, comm_hooks, dump, host_group, scaling
 from .config import config
+from .host_group import NEUTRAL, has_peers
 from .log import log
 from .ops import CUDAGRAPH_UNSAFE
 from .plan import BucketPlan
+
+__all__ = ["PlanMismatchError", "has_peers"]
 
 
 class PlanMismatchError(RuntimeError):
@@ -51,11 +59,8 @@ class PlanMismatchError(RuntimeError):
 _plan_hashes: dict[str, int] = {}
 _reported: set[tuple[str, str]] = set()
 _published: set[str] = set()
-#: What a joined rank sends in the plan check: "I shadow whatever plan you run"
-#: (join.py). No plan hashes to it.
-JOINED = 0
-# (group name, plan) -> the plan check in flight: (work, everyone's hashes, this rank's)
-_pending: dict[tuple[str, str], tuple[dist.Work, torch.Tensor, torch.Tensor]] = {}
+# (group name, plan) -> the plan check in flight: (host group, its ticket, the exchange)
+_pending: dict[tuple[str, str], tuple[host_group.HostGroup, int, concurrent.futures.Future]] = {}
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -70,20 +75,19 @@ def _group(group_name: str) -> dist.ProcessGroup:
 
 @torch.library.custom_op("ddp_fusion::plan_check_start", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def plan_check_start(group_name: str, plan: str, device: torch.device) -> torch.Tensor:
-    """Start this step's cross-rank check of the group's bucket ``plan``: an async
-    all-gather of the plan's hash, one int64 per rank, sized by the live group. Returns
-    a token for :func:`plan_guard`, which finishes the check."""
+    """Start this step's cross-rank check of the group's bucket ``plan``: the max of
+    (h, -h) of the plan's hash h over the group's host group, in the background.
+    Returns a token for :func:`plan_guard`, which finishes the check."""
     group = _group(group_name)
     # A backward that completed waited for all of its hooks: one still in flight is
     # left by a backward that failed halfway, and must not hold this one up.
     comm_hooks.drop_in_flight()
     hook_groups(plan, group)
-    if has_peers(group):
+    host = host_group.of(group)
+    if host is not None:
+        h = _plan_hash(plan)
         _publish(plan)
-        mine = torch.full((1,), _plan_hash(plan), dtype=torch.int64, device=device)
-        everyone = torch.empty(group.size(), dtype=torch.int64, device=device)
-        work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
-        _pending[group_name, plan] = (work, everyone, mine)
+        _pending[group_name, plan] = (host, host.ticket(), host.max_async([h, -h]))
     return torch.zeros((), dtype=torch.float32, device=device)
 
 
@@ -105,10 +109,11 @@ def plan_guard(
         _report_plan(group_name, plan)
     pending = _pending.pop((group_name, plan), None)  # None: checked by this group's other guard
     if pending is not None:
-        work, everyone, mine = pending
-        work.wait()
-        if not bool((everyone[everyone != JOINED] == mine).all()):
-            raise PlanMismatchError(_describe_mismatch(group_name, _plans_of(everyone, plan)))
+        host, ticket, exchange = pending
+        top, neg_bottom = _outcome(exchange, group_name)
+        h = _plan_hash(plan)
+        if not (top == h and -neg_bottom == h):
+            raise PlanMismatchError(describe_mismatch(host, ticket, group_name, h))
     return torch.full((), _divisor(group, reduce_op), dtype=torch.float32, device=device)
 
 
@@ -127,6 +132,31 @@ def plan_divisor(group_name: str, reduce_op: str, device: torch.device) -> torch
 @plan_divisor.register_fake
 def _(group_name, reduce_op, device):
     return torch.empty((), dtype=torch.float32, device=device)
+
+
+def _outcome(exchange: concurrent.futures.Future, group_name: str) -> list[int]:
+    try:
+        return exchange.result()
+    except Exception as e:
+        raise RuntimeError(
+            f"ddp_fusion: the per-step plan check of process group {group_name!r} failed "
+            f"(a rank died, or did not reach this step's backward within the group's "
+            f"timeout): {type(e).__name__}: {e}"
+        ) from e
+
+
+def shadow_exchange(group: dist.ProcessGroup) -> str:
+    """A joined rank's part of one plan check of ``group`` (join.py): the exchange, with
+    nothing of its own in it; returns the plan the active ranks run (from the store).
+    Raises :class:`PlanMismatchError` where they run different plans (they raise too)."""
+    host = host_group.of(group)
+    if host is None:
+        raise RuntimeError(f"ddp_fusion: join(): process group {group.group_name!r} has no peers")
+    ticket = host.ticket()
+    top, neg_bottom = _outcome(host.max_async([NEUTRAL, NEUTRAL]), group.group_name)
+    if top != -neg_bottom:
+        raise PlanMismatchError(describe_mismatch(host, ticket, group.group_name, None))
+    return published_plan(top)
 
 
 def _divisor(group: dist.ProcessGroup, reduce_op: str) -> int:
@@ -171,27 +201,28 @@ def hook_groups(plan: str, group: dist.ProcessGroup) -> None:
     ]
 
 
-def has_peers(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` has other ranks to exchange with (not size 1, not the ``fake``
-    backend of graph tests)."""
-    return group.size() > 1 and dist.get_backend(group) != "fake"
-
-
 def _plan_hash(plan: str) -> int:
     h = _plan_hashes.get(plan)
     if h is None:
         digest = hashlib.blake2b(plan.encode(), digest_size=8).digest()
         h = int.from_bytes(digest, "little", signed=True)
-        h = _plan_hashes[plan] = h if h != JOINED else 1
+        # never NEUTRAL: the check sends -h too, and a joined rank sends NEUTRAL
+        h = _plan_hashes[plan] = h if h != NEUTRAL else NEUTRAL + 1
     return h
 
 
 def _publish(plan: str) -> None:
-    """Put a plan in the store under its hash, once per process: a joined rank (or a
-    mismatch report) reads it from there."""
-    if plan not in _published:
-        _torch.distributed.default_store().set(f"ddp_fusion/plan/{_plan_hash(plan)}", plan)
-        _published.add(plan)
+    """Put a plan in the store under its hash, the first time this process runs it:
+    one rank of those that run it (the first to claim it) writes it, the others add one
+    to a counter, so the store gets each plan once, not once per rank. A joined rank,
+    and a mismatch report, read it from there."""
+    if plan in _published:
+        return
+    _published.add(plan)
+    store = _torch.distributed.default_store()
+    key = f"ddp_fusion/plan/{_plan_hash(plan)}"
+    if store.add(f"{key}/claim", 1) == 1:
+        store.set(key, plan)
 
 
 def published_plan(plan_hash: int) -> str:
@@ -225,38 +256,44 @@ def _report_plan(group_name: str, plan: str) -> None:
         )
 
 
-def _plans_of(hashes: torch.Tensor, plan: str) -> list[str]:
-    """Every rank's plan, by its hash, through the store: no collective, so ranks whose
-    graphs differ cannot block each other in different exchanges (several groups)."""
-    _publish(plan)
-    by_hash = {h: published_plan(h) for h in set(hashes.tolist()) if h != JOINED}
-    return [by_hash.get(h, "") for h in hashes.tolist()]
+JOINED = "joined"
 
 
-def _describe_mismatch(group_name: str, plans: Sequence[str]) -> str:
-    decoded = [parse(p).buckets if p else () for p in plans]
+def describe_mismatch(host: host_group.HostGroup, ticket: int, group_name: str, mine: int | None) -> str:
+    """Every rank's side of a failed plan check (``mine``: this rank's plan hash, None
+    for a joined rank), described by group rank 0 from the store."""
+    return host.report("plan", ticket, JOINED if mine is None else str(mine),
+                       lambda payloads: _describe(group_name, payloads, host.ranks))
+
+
+def _describe(group_name: str, payloads: Sequence[str],
+              show_ranks: Callable[[Sequence[int]], str] = str) -> str:
+    """The ranks' plans (hashes, or :data:`JOINED`), grouped by plan: which ranks run
+    what, and which gradients some ranks lack."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, p in enumerate(payloads):
+        ranks_of.setdefault(p, []).append(rank)
     lines = [
         f"ddp_fusion: ranks of process group {group_name!r} compiled different gradient "
         "bucket plans, so their collectives would not match (a hang). Usually a "
         "parameter gets a gradient on some ranks only (unused in this step's forward), "
         "or the ranks run different code or models."
     ]
-    joined = {i for i, p in enumerate(plans) if not p}
-    for i, buckets in enumerate(decoded):
-        lines.append(
-            f"  group rank {i}: joined (join(): shadows the others' plan)" if i in joined
-            else f"  group rank {i}: {len(buckets)} buckets, bytes {[b.nbytes for b in buckets]}"
-        )
-    names = [{n for b in buckets for n in b.grads} for i, buckets in enumerate(decoded)
-             if i not in joined]
-    everyone = set.union(*names) if names else set()
-    active = [i for i in range(len(decoded)) if i not in joined]
-    for i, have in zip(active, names):
-        missing = sorted(everyone - have)
+    plans = {p: parse(published_plan(int(p))).buckets for p in ranks_of if p != JOINED}
+    names = {p: {n for b in buckets for n in b.grads} for p, buckets in plans.items()}
+    everyone = set.union(*names.values()) if names else set()
+    for p, ranks in ranks_of.items():
+        who = f"group rank{'s' if len(ranks) > 1 else ''} {show_ranks(ranks)}"
+        if p == JOINED:
+            lines.append(f"  {who}: joined (join(): shadows the others' plan)")
+            continue
+        buckets = plans[p]
+        lines.append(f"  {who}: {len(buckets)} buckets, bytes {[b.nbytes for b in buckets]}")
+        missing = sorted(everyone - names[p])
         if missing:
-            lines.append(f"  group rank {i} has no gradient for: {', '.join(missing[:20])}"
-                         + (" ..." if len(missing) > 20 else ""))
-    if all(have == everyone for have in names):
+            lines.append(f"  {who} {'have' if len(ranks) > 1 else 'has'} no gradient for: "
+                         f"{', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
+    if len(names) > 1 and all(have == everyone for have in names.values()):
         lines.append(
             "  every rank reduces the same gradients, in different buckets: the ranks' "
             "bucket arguments, dtypes or learned ready orders differ"

@@ -59,13 +59,15 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
                 f = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
                 if n in index:
                     f.register_post_accumulate_grad_hook(lambda _, i=index[n]: order.append(i))
-                state[n] = f
+                state[f"module.{n}"] = f
             for n, b in module.named_buffers():
-                state[n] = mode.from_tensor(b.detach())
+                state[f"module.{n}"] = mode.from_tensor(b.detach())
             fake_args, fake_kwargs = _torch.tensors.tree_map(fake, (args, kwargs))
             with mode:
-                out = torch.func.functional_call(module, state, fake_args, fake_kwargs)
-                _loss_of(out).backward()
+                # forward and backward inside one functional_call: activation
+                # checkpointing recomputes the forward in backward, which must see the
+                # fake parameters too
+                torch.func.functional_call(_ForwardBackward(module), state, (fake_args, fake_kwargs))
     finally:
         _running -= 1
         _restore(saved)
@@ -76,15 +78,26 @@ def eager_ready_order(module: torch.nn.Module, names: list[str], args: Any, kwar
     return order + [i for i in reversed(range(len(names))) if i not in seen]
 
 
+class _ForwardBackward(torch.nn.Module):
+    """``module``'s forward, then the backward of its output's sum."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, args: Any, kwargs: Any) -> None:
+        _loss_of(self.module(*args, **kwargs)).backward()
+
+
 def timed_ready_order(module: torch.nn.Module, names: list[str], args: Any,
-                      kwargs: Any) -> tuple[list[int], list[float]] | None:
+                      kwargs: Any) -> tuple[list[int], list[float]] | str:
     """Eager autograd's ready order, as :func:`eager_ready_order`, and when each of
     those gradients became ready (seconds from the start of backward), from a real
     forward and backward of ``module`` (the second of two: the first warms up) on inputs
     shaped like ``args``/``kwargs`` (which may be fake: floating-point inputs become
     random, integer ones zeros). Parameters are the real ones but no ``.grad`` is
     written (``autograd.grad``); buffers are copies; the module's state is restored.
-    None (logged, counted) if the model cannot run so."""
+    If the model cannot run so: why (a line), and nothing is logged here."""
     index = {n: i for i, n in enumerate(names)}
     stamps: dict[int, float] = {}
 
@@ -118,8 +131,7 @@ def timed_ready_order(module: torch.nn.Module, names: list[str], args: Any,
                     for h in handles:
                         h.remove()
     except Exception as e:  # noqa: BLE001 - any failure means: DDP's caps
-        graph_order(f"timing run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return None
+        return f"timing run: {_first_line(e)}"
     finally:
         _running -= 1
         _restore(saved)
@@ -203,11 +215,15 @@ def graph_order(reason: str) -> None:
         )
 
 
-def learn(module: torch.nn.Module, names: list[str], args: Any, kwargs: Any) -> list[int] | None:
-    """``eager_ready_order``, or None (logged, counted) if the model cannot run on fake
-    tensors."""
+def learn(module: torch.nn.Module, names: list[str], args: Any, kwargs: Any) -> list[int] | str:
+    """``eager_ready_order``, or why the model cannot run on fake tensors (a line; nothing
+    is logged here: the caller knows whether another rank's order is used instead)."""
     try:
         return eager_ready_order(module, names, args, kwargs)
     except Exception as e:  # noqa: BLE001 - any failure means: use the graph's order
-        graph_order(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return None
+        return f"fake run: {_first_line(e)}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

@@ -37,7 +37,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from . import _torch, comm_hooks, scaling
+from . import _torch, comm_hooks, host_group, scaling
 from .plan import split_by_rule
 
 
@@ -77,6 +77,9 @@ class EagerReducer:
         self.params = [p for _, p in params]
         # For DTensor parameters: the local shards (sizes and dtypes of what is reduced).
         self.local = [_torch.tensors.local_tensor(p.detach()) for p in self.params]
+        # where the group's collectives run: the parameters' device (a NCCL group takes
+        # no CPU tensor)
+        self.device = self.local[0].device
         self.group = group
         self.limits = limits
         self.comm_dtype = comm_dtype
@@ -147,7 +150,7 @@ class EagerReducer:
             comm_hooks.drop_in_flight()  # left by a backward that failed halfway
         self._next = 0
         self._ready: list[int] = []
-        self._used = torch.zeros(len(self.params), dtype=torch.int32)
+        self._used = [False] * len(self.params)  # got a gradient in this backward
         for b in self.buckets:
             b.pending = len(b.params)
             b.work = b.flight = None
@@ -168,7 +171,7 @@ class EagerReducer:
                 param.grad = view
         else:
             bucket.buffer[offset : offset + grad.numel()].copy_(grad.reshape(-1))
-        self._used[index] = 1
+        self._used[index] = True
         self._ready.append(index)
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -209,7 +212,7 @@ class EagerReducer:
         if self.find_unused_parameters:
             if self.hook is not None:
                 comm_hooks.wait_in_flight()  # its chained collectives first, on every rank
-            dist.all_reduce(used, group=self.group)
+            used = self._used_anywhere(used)
         for bucket in self.buckets:
             if bucket.flight is not None:
                 flight, bucket.flight = bucket.flight, None
@@ -264,9 +267,17 @@ class EagerReducer:
             for b in self.buckets
         ]
         if self.find_unused_parameters:
-            dist.all_reduce(torch.zeros(len(self.params), dtype=torch.int32), group=self.group)
+            self._used_anywhere([False] * len(self.params))
         for work in works:
             work.wait()
+
+    def _used_anywhere(self, used: list[bool]) -> list[bool]:
+        """Which parameters got a gradient on any rank: the used-parameter bitmap,
+        all-reduced on the group's device and read back (a device sync at the end of
+        backward, as torch DDP's ``find_unused_parameters`` has)."""
+        bitmap = torch.tensor(used, dtype=torch.int32, device=self.device)
+        dist.all_reduce(bitmap, group=self.group)
+        return [bool(v) for v in bitmap.tolist()]
 
     def _unready(self, bucket: _Bucket):
         return [
@@ -278,10 +289,8 @@ class EagerReducer:
     def _rebuild_from(self, order: list[int]) -> None:
         """Rebuild buckets from rank 0's ready order (once, after the first complete
         backward), so all ranks keep identical buckets."""
-        shared = [order]
-        if self.group.size() > 1:
-            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
-        self._build(shared[0])
+        host = host_group.of(self.group)  # host-side: no device, no current-device guess
+        self._build(host.broadcast_object(order) if host is not None else order)
         self.rebuilt = True
 
 

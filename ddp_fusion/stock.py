@@ -129,6 +129,7 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
         WHO,
         bool(arguments.get("gradient_as_bucket_view")),
         auto,
+        {"broadcast_buffers": bool(ddp.broadcast_buffers)},
     )
     _torch.ddp.detach_cpp_reducer(ddp)
     ddp._ddp_fusion = sync

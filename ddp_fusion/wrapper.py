@@ -29,7 +29,6 @@ from .config import check_env
 from .grad_sync import GradSync, broadcast
 from .ops import default_group
 from .plan import ddp_bucket_limits
-from .plan_check import has_peers
 
 __all__ = ["DistributedDataParallel"]
 
@@ -147,8 +146,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "put the module on one device per process"
             )
 
-        _check_same_parameters(list(module.named_parameters()), self.process_group)
-        broadcast([t.detach() for t in (*module.parameters(), *module.buffers())], self.process_group)
+        # collective: the ranks' parameters and settings are compared first (and raise on
+        # every rank if they differ), then rank 0's parameters and buffers are broadcast
         self._sync = GradSync(
             self,
             module,
@@ -160,7 +159,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             "DistributedDataParallel",
             gradient_as_bucket_view,
             auto,
+            {"broadcast_buffers": broadcast_buffers},
         )
+        broadcast([t.detach() for t in (*module.parameters(), *module.buffers())], self.process_group)
         # Hooks hold no reference to the wrapper; once it is garbage, they go with it,
         # and the bare module trains locally again.
         self._state = self._sync.state
@@ -246,29 +247,3 @@ def _wrapper_buffers(wrapper: DistributedDataParallel | None) -> list[torch.Tens
     if wrapper is None or not wrapper.broadcast_buffers:
         return None
     return list(wrapper.module.buffers())
-
-
-def _check_same_parameters(
-    named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup
-) -> None:
-    """Raise ``ValueError`` on every rank if the ranks' parameters differ in name, shape
-    or dtype (eager torch DDP checks the same at construction)."""
-    if not has_peers(group):
-        return
-    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params]
-    everyone: list[list | None] = [None] * group.size()
-    dist.all_gather_object(everyone, mine, group=group)
-    for rank, theirs in enumerate(everyone):
-        if theirs == mine:
-            continue
-        for i, (a, b) in enumerate(zip(mine, theirs)):
-            if a != b:
-                raise ValueError(
-                    f"DistributedDataParallel: parameter #{i} differs across ranks: "
-                    f"this rank has {a[0]!r} {a[1]} {a[2]}, group rank {rank} has "
-                    f"{b[0]!r} {b[1]} {b[2]}; every rank must wrap the same model"
-                )
-        raise ValueError(
-            f"DistributedDataParallel: this rank has {len(mine)} parameters, group rank "
-            f"{rank} has {len(theirs)}; every rank must wrap the same model"
-        )

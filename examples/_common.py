@@ -3,6 +3,7 @@ file a test compares (parameters, collectives in the last step, eager DDP's buck
 
 import argparse
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -31,10 +32,11 @@ def model() -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def dataset(steps: int, batch: int = 8) -> torch.utils.data.TensorDataset:
-    """``steps`` batches per rank; the same on every run (a sampler shards it)."""
+def dataset(steps: int, batch: int = 8, ranks: int = 2) -> torch.utils.data.TensorDataset:
+    """``steps`` batches for each of ``ranks`` ranks; the same on every run (a sampler
+    shards it)."""
     gen = torch.Generator().manual_seed(100)
-    return torch.utils.data.TensorDataset(torch.randn(steps * batch * 2, 64, generator=gen))
+    return torch.utils.data.TensorDataset(torch.randn(steps * batch * ranks, 64, generator=gen))
 
 
 def rank_batches(steps: int, batch: int = 8) -> list[torch.Tensor]:
@@ -43,10 +45,10 @@ def rank_batches(steps: int, batch: int = 8) -> list[torch.Tensor]:
 
 
 def count_all_reduces(step) -> int:
-    """All-reduces the process group ran during ``step()`` (gloo)."""
+    """All-reduces the process group ran during ``step()`` (gloo or NCCL)."""
     with profile() as prof:
         step()
-    return sum(1 for e in prof.events() if e.name == "gloo:all_reduce")
+    return sum(1 for e in prof.events() if e.name in ("gloo:all_reduce", "nccl:all_reduce"))
 
 
 def finish(args, ddp, collectives: int) -> None:
@@ -55,6 +57,10 @@ def finish(args, ddp, collectives: int) -> None:
 
     info = {
         "rank": dist.get_rank(),
+        # what torchrun told this process, and which agent (its parent) started it
+        "env": {k: os.environ.get(k) for k in
+                ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")},
+        "agent_pid": os.getppid(),
         "mode": args.mode,
         "collectives_last_step": collectives,
         "ddp": f"{type(ddp).__module__}.{type(ddp).__name__}",
@@ -74,5 +80,5 @@ def finish(args, ddp, collectives: int) -> None:
     if args.out:
         with open(f"{args.out}.{dist.get_rank()}.json", "w") as f:
             json.dump(info, f)
-        params = {n: p.detach() for n, p in ddp.module.named_parameters()}
+        params = {n: p.detach().cpu() for n, p in ddp.module.named_parameters()}
         torch.save(params, f"{args.out}.{dist.get_rank()}.pt")

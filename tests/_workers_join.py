@@ -56,7 +56,9 @@ def _train_joined(model, ddp, batches, divide, throw=False):
 
 def join_uneven(rank, world_size, kind):
     """``kind``: ``wrapper_compiled``, ``stock_compiled`` (torch DDP built with the flag
-    on) or ``wrapper_uncompiled`` (the eager bucketed reducer)."""
+    on), ``wrapper_uncompiled`` (the eager bucketed reducer), or
+    ``wrapper_flag_uncompiled`` / ``stock_flag_uncompiled`` (the flag on, the model not
+    compiled: the eager bucketed reducer too)."""
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(8, 32, generator=gen) * (1 + rank) for _ in range(BATCHES[rank])]
     base = Net()
@@ -67,9 +69,9 @@ def join_uneven(rank, world_size, kind):
         _train_joined(ref, ref, batches, divide)
         refs[divide] = ref.module
 
-    compiled = kind.endswith("_compiled")
+    compiled = kind.endswith("_compiled") and not kind.endswith("_uncompiled")
     torch._dynamo.reset()
-    with ddp_fusion.config.patch(enabled=compiled):
+    with ddp_fusion.config.patch(enabled=compiled or "_flag_" in kind):
         if kind.startswith("stock"):
             ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.005)
         else:

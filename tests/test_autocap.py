@@ -41,12 +41,18 @@ def test_a_slow_link_gets_small_buckets_that_start_early():
     assert choice.exposed_chosen_s < choice.exposed_default_s - 0.010  # 8.1 ms against 24.1
 
 
-def test_a_high_latency_link_keeps_few_buckets():
-    """Each collective costs 30 ms: four buckets queue behind each other (134 ms past
-    the backward); one bucket, or DDP's two, cost less."""
+def test_a_high_latency_link_gets_one_bucket():
+    """Each collective costs 30 ms. Four buckets queue behind each other (the last ends
+    at 10 + 4 * 31 = 134 ms: 94 ms exposed). DDP's two ([1 MiB] from 10 to 41 ms, then
+    [3 MiB] 41 to 74 ms) and one bucket of all four (40 to 74 ms) both expose 34 ms,
+    but one bucket saves a collective: cost 34 - 30 = 4 ms against DDP's 34 ms. The
+    one-bucket plans tie (uniform caps of 4 MiB and up); the largest cap wins."""
     link = Link(alpha=0.030, beta=0.001 / MiB)
     choice = autocap.choose(SIZES, READY, BACKWARD, link)
-    assert choice.buckets_chosen <= 2
+    assert choice.limits == [256 * MiB]
+    assert (choice.buckets_default, choice.buckets_chosen) == (2, 1)
+    assert choice.exposed_default_s == pytest.approx(0.034)
+    assert choice.exposed_chosen_s == pytest.approx(0.034)
 
 
 def test_a_small_gain_keeps_ddps_default():
@@ -71,27 +77,52 @@ def test_an_extra_collective_must_save_more_than_its_fixed_cost():
 
 
 def test_caps_above_the_in_flight_budget_are_not_chosen():
-    link = Link(alpha=0.030, beta=0.001 / MiB)
+    """alpha 12 ms, 3 ms per MiB. DDP's default: [1 MiB] 10 to 25 ms, [3 MiB] 40 to 61
+    ms: 21 ms exposed. Unbounded, one bucket (40 to 64 ms, 24 ms exposed, one collective
+    fewer: cost 24 - 12 = 12 ms) is best; its caps (4 MiB and up) are over a 2 MiB
+    budget. Within it: caps of 2 MiB, [g0 g1] 20 to 38 ms, [g2 g3] 40 to 58 ms: 18 ms
+    exposed, 3 ms less than DDP's, over 5 % of the backward (2 ms); four 1 MiB buckets
+    (10 to 25, 25 to 40, 40 to 55, 55 to 70 ms) cost 30 + 2 * 12 = 54 ms, and [1 MiB, 2
+    MiB] ([g0], [g1 g2] from 30 ms, [g3] to 63 ms) 23 + 12 = 35 ms."""
+    link = Link(alpha=0.012, beta=0.003 / MiB)
+    unbounded = autocap.choose(SIZES, READY, BACKWARD, link)
+    assert unbounded.limits == [256 * MiB] and unbounded.buckets_chosen == 1
+    assert unbounded.exposed_chosen_s == pytest.approx(0.024)
     choice = autocap.choose(SIZES, READY, BACKWARD, link, max_in_flight=2 * MiB)
-    assert max(choice.limits) <= 2 * MiB or choice.limits == autocap.default_limits()
+    assert choice.limits == [2 * MiB] and choice.buckets_chosen == 2
+    assert choice.exposed_chosen_s == pytest.approx(0.018)
+    assert choice.exposed_default_s == pytest.approx(0.021)
 
 
 @pytest.mark.usefixtures("fake_pg")
 def test_config_auto_reaches_torch_ddp_and_the_choice_is_used(tmp_path):
     """``config.bucket_cap_mb = "auto"`` with ``config.link`` given: an adopted torch
     DDP's limits become the choice at its first compiled forward, and the compiled
-    backward reduces in those buckets."""
+    backward reduces in those buckets. Six 256x256 layers (1.5 MiB of gradients, at
+    most 257 KiB each): DDP's default caps make two buckets whatever the ready order
+    (the first closes at 1 MiB, before the last gradient). On a link whose collective
+    costs 1 s, any plan of n >= 2 buckets costs at least (2n - 2) s plus the bytes'
+    time, less the (millisecond) backward; one bucket costs only the bytes' time: one
+    bucket (ties broken by the largest cap, 256 MiB), whatever the measured ready
+    times."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     with torch._inductor.config.patch(fx_graph_cache=False), ddp_fusion.config.patch(
-        enabled=True, bucket_cap_mb="auto", link=(10.0, 0.01), dump_dir=str(tmp_path)
+        enabled=True, bucket_cap_mb="auto", link=(1e6, 1.0), dump_dir=str(tmp_path)
     ):
         ddp = torch.nn.parallel.DistributedDataParallel(net)
-        torch.compile(ddp)(torch.randn(8, 64)).sum().backward()
+        torch.compile(ddp)(torch.randn(8, 256)).sum().backward()
     sync = ddp._ddp_fusion
     assert sync.sizing is not None and not sync.sizing.measured_link
-    assert sync.limits == sync.sizing.limits
+    assert sync.sizing.limits == [256 * MiB], sync.sizing
+    assert (sync.sizing.buckets_default, sync.sizing.buckets_chosen) == (2, 1), sync.sizing
+    assert sync.limits == [256 * MiB]
+    fused = counters["ddp_fusion"]
+    assert fused["graphs"] == 1 and fused["fused_all_reduces"] == 12, dict(fused)
+    assert fused["buckets"] == 1, dict(fused)  # DDP's default caps would make 2
     assert list(tmp_path.glob("rank0_autocap_*.json"))
 
 

@@ -73,13 +73,20 @@ def test_fx_graph_cache_miss_then_hit(monkeypatch, tmp_path):
 
 
 def test_uuid_covers_config():
-    with ddp_fusion.config.patch(algorithm="concat"):
-        a = _install.THE_PASS.uuid()
-    with ddp_fusion.config.patch(algorithm="coalesced"):
-        b = _install.THE_PASS.uuid()
-    with ddp_fusion.config.patch(schedule_waits=False):
-        c = _install.THE_PASS.uuid()
-    assert len({a, b, c}) == 3
+    """The pass's uuid (its FX graph cache key, see test_fx_graph_cache_miss_then_hit)
+    changes with each of the four settings that change what the pass does, and is the
+    same for the same config."""
+    defaults = dict(algorithm="concat", schedule_waits=True, max_in_flight_mb=5120.0, dump_dir=None)
+    changes = dict(algorithm="coalesced", schedule_waits=False, max_in_flight_mb=64.0, dump_dir="/tmp/d")
+    with ddp_fusion.config.patch(**defaults):
+        base = _install.THE_PASS.uuid()
+        assert _install.THE_PASS.uuid() == base
+        uuids = {}
+        for name, value in changes.items():
+            with ddp_fusion.config.patch(**{name: value}):
+                uuids[name] = _install.THE_PASS.uuid()
+    assert [name for name, uuid in uuids.items() if uuid == base] == []
+    assert len(set(uuids.values())) == len(changes)
 
 
 def test_enabled_installs_next_to_user_pass_and_restores_it():

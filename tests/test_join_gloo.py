@@ -1,6 +1,6 @@
-"""Issue 16: DDP's ``join()`` on ranks with 5, 3 (and 4) batches, compiled and not,
-for the wrapper and for torch DDP built with the flag on, against eager torch DDP with
-``join()``: same parameters and buffers for both ``divide_by_initial_world_size``
+"""Issue 16: DDP's ``join()`` on ranks with 5, 3 (and 4) batches, compiled and not
+(with the flag on and off), for the wrapper and for torch DDP built with the flag on,
+against eager torch DDP with ``join()``: same parameters and buffers for both ``divide_by_initial_world_size``
 settings (one compiled model for both: the divisor is read at run time), every joined
 rank shadowing exactly the all-reduces of an active rank's step, and
 ``throw_on_early_termination`` raising on every rank. A hang would fail in
@@ -17,14 +17,19 @@ CASES = [
     pytest.param((2, "wrapper_uncompiled"), id="2ranks-wrapper_uncompiled"),
     pytest.param((3, "stock_compiled"), id="3ranks-stock_compiled"),
     pytest.param((3, "wrapper_uncompiled"), id="3ranks-wrapper_uncompiled", marks=pytest.mark.slow),
+    # the flag on, the model not compiled: the active ranks reduce with the eager
+    # reducer, so the joined ranks must shadow that, not the compiled plan (it hung)
+    pytest.param((2, "wrapper_flag_uncompiled"), id="2ranks-wrapper_flag_uncompiled"),
+    pytest.param((2, "stock_flag_uncompiled"), id="2ranks-stock_flag_uncompiled"),
 ]
 
 
 @pytest.fixture(scope="module", params=CASES)
 def results(request):
     world_size, kind = request.param
-    return world_size, run_ranks(join_uneven, world_size=world_size, args=(kind,), timeout=900,
-                                 pg_timeout=120)
+    compiled = not kind.endswith("_uncompiled")
+    return world_size, run_ranks(join_uneven, world_size=world_size, args=(kind,),
+                                 timeout=900 if compiled else 240, pg_timeout=120 if compiled else 30)
 
 
 @pytest.mark.parametrize("divide", [True, False])

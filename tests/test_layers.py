@@ -17,8 +17,8 @@ PACKAGE = pathlib.Path(ddp_fusion.__file__).parent
 LAYERS: list[set[str]] = [  # L0, L1, ...: as CONTRIBUTING.md draws it
     {"_torch", "config", "launch", "_autoload"},
     {"log", "effects", "scaling"},
-    {"plan"},
-    {"ops", "dump", "comm_hooks", "ready_order"},
+    {"plan", "host_group"},
+    {"ops", "dump", "comm_hooks", "ready_order", "settings_check"},
     {"plan_check", "autocap"},
     {"passes", "reducer"},
     {"join"},

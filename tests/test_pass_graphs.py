@@ -20,6 +20,8 @@ import ddp_fusion
 from ddp_fusion.passes import fuse_ddp_allreduces
 
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
+ALL_REDUCE_CHECKED = torch.ops.ddp_fusion.all_reduce_checked.default
+PLAN_GUARD = torch.ops.ddp_fusion.plan_guard.default
 C10D = torch.ops._c10d_functional
 
 
@@ -469,9 +471,20 @@ def test_unfused_gradient_is_reported_with_its_reason(break_graph, reason, caplo
     assert result.unfused and all(reason in u.reason for u in result.unfused)
     assert counters["ddp_fusion"]["unfused"] == len(result.unfused)
     assert any(reason in r.message for r in caplog.records if r.levelname == "WARNING")
-    # what was left unfused is still there, and still runs (as a blocking all-reduce)
+    # what was left unfused is still there, and still runs (as a blocking all-reduce);
+    # where its group is known, after the group's plan check and divided by the checked
+    # divisor (all_reduce_checked), and its group's plan names it
     left = gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT)
-    assert {u.node for u in result.unfused} == set(left)
+    checked = gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_CHECKED)
+    assert {u.node for u in result.unfused} == set(left) | set(checked)
+    for u in result.unfused:
+        if u.registered:
+            assert u.node.target is ALL_REDUCE_CHECKED and u.node.args[1].target is PLAN_GUARD
+        else:
+            assert u.node.target is ALL_REDUCE_GRADIENT
+    assert len(checked) == (0 if break_graph is _break_group else len(result.unfused))
+    assert [(g, group) for g, _, group in result.plan.unfused] == [
+        (u.label, u.group_name) for u in result.unfused]
 
 
 def _check_dp_x_tp_backward(dp, tp):

@@ -101,11 +101,36 @@ def test_torch_ddp_built_before_the_flag_keeps_torchs_reducer(fake_pg):
     assert type(ddp) is DDP
 
 
-def test_an_adopted_model_trains_with_the_eager_reducer_once_the_flag_is_off(fake_pg):
+def test_an_adopted_model_trains_with_the_eager_reducer_once_the_flag_is_off(fake_pg, monkeypatch):
+    """With the flag off, an adopted model's gradient hooks go through ddp_fusion's eager
+    bucketed reducer: one all-reduce per bucket (2.b + 2.w: 36 elements, then 0.b +
+    0.w: 72; see the first test) in each step, before and after the buckets are rebuilt
+    from the ready order. The fake group's all-reduce returns its input, so each
+    gradient is the module's own divided by the world size (2), and SGD steps on them
+    follow the module's."""
     with ddp_fusion.config.patch(enabled=True):
-        ddp = DDP(_net())
-    ddp(torch.randn(4, 8)).sum().backward()  # no compiled autograd now: eager reducer
-    assert all(p.grad is not None for p in ddp.parameters())
+        ddp = DDP(_net(), bucket_cap_mb=1e-4)
+    ref = _net()
+    sent = []
+    all_reduce = dist.all_reduce  # what the eager reducer calls (torch's C++ reducer does not)
+    monkeypatch.setattr(dist, "all_reduce",
+                        lambda t, *a, **k: (sent.append(t.numel()), all_reduce(t, *a, **k))[1])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref)]
+    torch.manual_seed(1)
+    for step in range(2):
+        x = torch.randn(4, 8)
+        for model, opt in zip((ddp, ref), opts):
+            opt.zero_grad()
+            model(x).square().sum().backward()  # no compiled autograd now: eager reducer
+        for (name, got), want in zip(ddp.module.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(got.grad, want.grad / 2,
+                                       msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}")
+            want.grad /= 2
+        for opt in opts:
+            opt.step()
+    assert sent == [36, 72, 36, 72] and ddp._ddp_fusion.reducer.rebuilt
+    for got, want in zip(ddp.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want)
 
 
 def test_register_comm_hook_maps_torchs_compress_hooks_to_a_comm_dtype(enabled):

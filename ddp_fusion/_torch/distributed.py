@@ -18,6 +18,7 @@ REQUIRED = (
     "torch._C.Future",
     "torch.distributed.ProcessGroup._set_group_name",
     "torch.distributed.ProcessGroup._get_backend",
+    "torch.distributed.ProcessGroupGloo._Options",
     "torch.distributed.distributed_c10d._get_default_store",
     "torch.distributed._functional_collectives.broadcast",
     "torch.distributed._functional_collectives.wait_tensor",
@@ -30,9 +31,13 @@ REQUIRED = (
 #: Attributes of objects (not importable names) this module reads, and why that is safe.
 UNCHECKED = {
     "_timeout": "a backend's options' timeout, read inside try/except with torch's default "
-                "as the fallback",
+                "as the fallback; set on the ProcessGroupGloo._Options of a host group",
     "_join_config": "set on every Joinable by Joinable.__init__ (public API); read only for "
                     "models that are Joinables",
+    "_devices": "a field of ProcessGroupGloo._Options (checked in REQUIRED), set before the "
+                "group is made",
+    "_threads": "a field of ProcessGroupGloo._Options (checked in REQUIRED), set before the "
+                "group is made",
 }
 
 #: The functional collectives' ops (``all_reduce``, ``all_reduce_coalesced``,
@@ -90,6 +95,21 @@ def group_timeout(group: dist.ProcessGroup) -> Any:
         except Exception:  # noqa: BLE001 - no backend for that device, or no options
             continue
     return dist.default_pg_timeout
+
+
+def lazy_gloo_group(prefix: str, rank: int, size: int, timeout: Any) -> Any:
+    """A gloo process group (a backend object: ``send``, ``recv``, ``broadcast`` on CPU
+    tensors, group ranks) of ``size`` ranks over the default store under ``prefix``,
+    made without a collective and connecting lazily: each pair of ranks connects at its
+    first exchange, so a rank that talks to O(log N) peers holds O(log N) connections
+    (``TORCH_GLOO_LAZY_INIT``'s behaviour, for this group only). Registered nowhere:
+    ``destroy_process_group`` does not know it, and it goes when it is garbage."""
+    store = dist.PrefixStore(prefix, default_store())
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+    options._timeout = timeout
+    options._threads = 1
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def default_store() -> Any:

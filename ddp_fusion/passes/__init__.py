@@ -33,11 +33,12 @@ from torch.fx.node import map_arg
 from .. import _torch, comm_hooks, dump, effects, plan_check
 from ..config import config
 from ..log import log
+from ..ops import ALL_REDUCE_CHECKED
 from ..plan import MiB, BucketPlan
 from ._graph import NodeMaker
 from .bucketing import Bucket, plan_buckets, to_plan
 from .coalesced import fuse_coalesced
-from .collectives import Unfused, find_gradient_all_reduces
+from .collectives import Unfused, find_gradient_all_reduces, op_args
 from .concat import fuse_concat
 from .guard import group_plans, insert_plan_guards, place_guards
 from .schedule import sink_waits
@@ -84,16 +85,23 @@ def fuse_ddp_allreduces(
 
     grads, unfused = find_gradient_all_reduces(graph)
     _report_unfused(unfused)
-    if not grads:
+    # an unfused all-reduce whose group is known is checked too: part of its group's
+    # plan, issued after the guard like a bucket
+    checked = [u for u in unfused if u.registered and isinstance(u.node.args[0], torch.fx.Node)]
+    if not grads and not checked:
         return FusionResult(to_plan([], unfused, algorithm), [], unfused)
     before = dump.graph_code(graph) if dump.wanted(dump_dir) else None
 
-    buckets = plan_buckets(graph, grads)
+    buckets = plan_buckets(graph, grads) if grads else []
     result = FusionResult(to_plan(buckets, unfused, algorithm), buckets, unfused)
     plans = group_plans(result.plan)
     plan_check.compiled_here(plans.values())
     make = NodeMaker(graph)
-    guards = insert_plan_guards(make, buckets, plans)
+    devices = {b.key.group_name: b.key.device for b in buckets}
+    unfused_keys = [(u.group_name, u.reduce_op, _device_of(u, devices)) for u in checked]
+    guards = insert_plan_guards(
+        make, [(b.key.group_name, b.key.reduce_op, b.key.device) for b in buckets] + unfused_keys, plans
+    )
     hooked = _hook_groups(result.plan, plans)
     order = {node: i for i, node in enumerate(graph.nodes)}
     fused = []
@@ -115,6 +123,8 @@ def fuse_ddp_allreduces(
         else:
             fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})
+    for u, key in zip(checked, unfused_keys):
+        _check_unfused(make, u, guards[key][1])
     # A reader of an early gradient in a bucket may sit before the bucket's collective
     # (never in a compiled backward, where readers are the graph's outputs, but
     # possible in hand-written graphs); move such readers after it.
@@ -130,6 +140,29 @@ def fuse_ddp_allreduces(
         result.plan, before, graph, dump_dir, lowering_follows=_torch.inductor.lowering_watched()
     )
     return result
+
+
+def _device_of(u: Unfused, devices: dict[str, torch.device]) -> torch.device:
+    """Where an unfused all-reduce's divisor lives: its gradient's device, else that of
+    its group's buckets, else the CPU (a 0-d CPU tensor divides a tensor anywhere)."""
+    val = u.node.args[0].meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.device
+    return devices.get(u.group_name, torch.device("cpu"))
+
+
+def _check_unfused(make: NodeMaker, u: Unfused, checked: torch.fx.Node) -> None:
+    """Make an unfused tagged all-reduce take the guard's divisor (``all_reduce_checked``):
+    it is then issued after its group's plan check, and divides as the buckets do."""
+    grad, group_name, reduce_op, _, name, comm_dtype, *_ = op_args(u.node)
+    with make.graph.inserting_before(u.node):
+        new = make.graph.call_function(
+            ALL_REDUCE_CHECKED, (grad, checked, group_name, reduce_op, name, comm_dtype)
+        )
+    new.meta.update(u.node.meta)
+    u.node.replace_all_uses_with(new)
+    make.graph.erase_node(u.node)
+    u.node = new
 
 
 def _hook_groups(plan: BucketPlan, plans: dict[str, str]) -> dict[int, str]:

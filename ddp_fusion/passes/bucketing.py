@@ -25,7 +25,7 @@ import dataclasses
 
 import torch.fx
 
-from ..ops import HOOK
+from ..ops import HOOK, READY_UNKNOWN
 from ..plan import BucketPlan, BucketRule, PlannedBucket, split_by_rule
 from ..ready_order import graph_order
 from .collectives import BucketKey, GradAllReduce, Unfused
@@ -48,7 +48,7 @@ def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce]) -> list[Buck
     its gradients and after the bucket before it (passes/__init__.py)."""
     if grads and all(g.ready_order >= 0 for g in grads) and not _reads_reduced(graph, grads):
         return _plan_in_ready_order(graph, grads)
-    if any(g.key.model_id >= 0 and g.ready_order < 0 for g in grads):
+    if any(g.key.model_id >= 0 and g.ready_order == READY_UNKNOWN for g in grads):
         graph_order(
             "a model's gradients carry no ready order: its forward did not run compiled "
             "with config.enabled and grad mode on before this backward was compiled. Either "
@@ -181,5 +181,5 @@ def to_plan(buckets: list[Bucket], unfused: list[Unfused], algorithm: str) -> Bu
             )
             for i, b in enumerate(buckets)
         ),
-        tuple((u.node.name, u.reason) for u in unfused),
+        tuple((u.label, u.reason, u.group_name) for u in unfused),
     )

@@ -51,6 +51,10 @@ class GradAllReduce:
 class Unfused:
     node: torch.fx.Node
     reason: str
+    group_name: str
+    reduce_op: str
+    label: str  # the parameter name the hook gave, else the node's name (as found)
+    registered: bool  # its process group is registered in this process
 
 
 def find_gradient_all_reduces(
@@ -61,7 +65,7 @@ def find_gradient_all_reduces(
     unfused: list[Unfused] = []
     registered: dict[str, bool] = {}
     for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=True):
-        grad, group_name, reduce_op, limits, name, comm_dtype, ready_order, model_id = _args(node)
+        grad, group_name, reduce_op, limits, name, comm_dtype, ready_order, model_id = op_args(node)
         val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
         reason = None
         if not isinstance(val, torch.Tensor):
@@ -76,7 +80,10 @@ def find_gradient_all_reduces(
             if not registered[group_name]:
                 reason = f"process group {group_name!r} is not registered in this process"
         if reason is not None:
-            unfused.append(Unfused(node, reason))
+            if group_name not in registered:
+                registered[group_name] = _torch.distributed.resolve_process_group(group_name) is not None
+            unfused.append(Unfused(node, reason, group_name, reduce_op, name or node.name,
+                                   registered[group_name]))
             continue
         found.append(
             GradAllReduce(
@@ -97,7 +104,8 @@ def find_gradient_all_reduces(
     return found, unfused
 
 
-def _args(node: torch.fx.Node) -> tuple:
+def op_args(node: torch.fx.Node) -> tuple:
+    """A tagged all-reduce's arguments, all of them, in the op's order."""
     schema = node.target._schema.arguments  # type: ignore[union-attr]
     return tuple(
         node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)

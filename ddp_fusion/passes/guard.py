@@ -27,7 +27,6 @@ import torch.fx
 from ..plan import BucketPlan
 from ..plan_check import PLAN_CHECK_START, PLAN_DIVISOR, PLAN_GUARD
 from ._graph import NodeMaker
-from .bucketing import Bucket
 
 
 def group_plans(plan: BucketPlan) -> dict[str, str]:
@@ -41,26 +40,27 @@ def group_plans(plan: BucketPlan) -> dict[str, str]:
 Divisors = dict[tuple[str, str, torch.device], tuple[torch.fx.Node, torch.fx.Node]]
 
 
-def insert_plan_guards(make: NodeMaker, buckets: list[Bucket], plans: dict[str, str]) -> Divisors:
-    """At graph start, one ``plan_check_start`` per group; for each (group name, reduce
-    op, device), the divisor node (``plan_divisor``, no wait) and the guard node (the
-    checked divisor, to be moved before its first user by ``place_guards``).
-    ``plans``: each group's plan (:func:`group_plans`)."""
+def insert_plan_guards(make: NodeMaker, keys: list[tuple[str, str, torch.device]],
+                       plans: dict[str, str]) -> Divisors:
+    """At graph start, one ``plan_check_start`` per group; for each key (group name,
+    reduce op, device) of a bucket or an unfused all-reduce, in order, the divisor node
+    (``plan_divisor``, no wait) and the guard node (the checked divisor, to be moved
+    before its first user by ``place_guards``). ``plans``: each group's plan
+    (:func:`group_plans`)."""
     guards: Divisors = {}
     starts: dict[str, torch.fx.Node] = {}
     placeholders = make.graph.find_nodes(op="placeholder")
     start = placeholders[-1].next if placeholders else next(iter(make.graph.nodes))
     with make.graph.inserting_before(start):
-        for b in buckets:
-            group = b.key.group_name
-            k = (group, b.key.reduce_op, b.key.device)
+        for k in keys:
             if k in guards:
                 continue
+            group, reduce_op, device = k
             if group not in starts:
-                starts[group] = make(PLAN_CHECK_START, (group, plans[group], b.key.device))
+                starts[group] = make(PLAN_CHECK_START, (group, plans[group], device))
             guards[k] = (
-                make(PLAN_DIVISOR, (group, b.key.reduce_op, b.key.device)),
-                make(PLAN_GUARD, (starts[group], group, plans[group], b.key.reduce_op, b.key.device)),
+                make(PLAN_DIVISOR, (group, reduce_op, device)),
+                make(PLAN_GUARD, (starts[group], group, plans[group], reduce_op, device)),
             )
     return guards
 
