@@ -8,14 +8,16 @@ See README.md, docs/user-guide.md and docs/design.md.
 """
 
 # Importing is cheap (torch loads the package at its own import through an entry point,
-# _autoload.py): nothing here touches torch internals. ``_torch.check_torch()`` runs
-# before ddp_fusion first does (turning ``enabled`` on, building a model, running the
-# pass), and names any internal this torch lacks.
+# _autoload.py), and must never fail: nothing here touches torch internals, and a bad
+# DDP_FUSION* value is a warning here and an error at the first DDP model built
+# (config.check_env). ``_torch.check_torch()`` runs before ddp_fusion first touches
+# internals (``enabled`` set in code, a model built, the pass run), and names any
+# internal this torch lacks.
+from . import _install, passes
 from . import config as _config_module
-from . import passes
-from ._install import _on_change
 from .comm_hooks import CommHookError
 from .config import config
+from .log import log as _log
 from .ops import all_reduce_gradient
 from .plan_check import PlanMismatchError
 from .settings_check import SettingsMismatchError
@@ -31,6 +33,22 @@ __all__ = [
     "passes",
 ]
 
-_config_module.on_change(_on_change)
-for _name, _value in _config_module.from_env().items():
-    setattr(config, _name, _value)  # DDP_FUSION=1 installs the pass here
+def _apply_environment() -> None:
+    for name, error in _config_module.apply_env().items():  # before on_change: installs nothing
+        _log.warning(
+            "ddp_fusion: %s; ignored, so ddp_fusion.config.%s keeps its default %r. Building a "
+            "DDP model in this process raises this error until the variable is fixed or the "
+            "setting is set in code", error, name, getattr(config, name),
+        )
+    _config_module.on_change(_install._on_change)
+    try:
+        _install.at_import()  # DDP_FUSION=1: torch DDP's constructor now, the rest at first use
+    except Exception as e:  # noqa: BLE001 - never fail torch's import; enabled set in code raises it
+        _log.warning(
+            "ddp_fusion: could not patch torch DDP's constructor at import (%r); ddp_fusion stays "
+            "off (setting ddp_fusion.config.enabled = True in code raises the error)", e,
+        )
+        config.enabled = False
+
+
+_apply_environment()

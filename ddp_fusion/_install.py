@@ -2,6 +2,19 @@
 it goes off. The effects, in the order they are applied (docs/user-guide.md, "What
 ``enabled = True`` changes in the process", lists them for users):
 
+Every change goes through one ``_torch.patching.Patches`` (:data:`PATCHES`), which keeps
+each setting's value from before ddp_fusion first changed it and drops an entry only
+once its undo has succeeded; ``enabled = False`` restores them all, newest first, or is
+refused with nothing changed (inside a compiled-autograd context opened after
+ddp_fusion turned compiled autograd on).
+
+Set in code, ``enabled`` applies 1 and 3 at once. Under ``DDP_FUSION=1`` the import,
+which torch does at every ``import torch`` through its entry point, patches torch DDP's
+constructor only (3, and ``replicate()``'s), so that it imports neither Dynamo nor
+Inductor; the rest (``check_torch()``, 1, torch DDP's forward) is applied the first
+time ddp_fusion is used: a torch DDP or a wrapper constructed, ``all_reduce_gradient``
+called, the pass run (``effects.IN_USE``).
+
 1. The pass goes into ``torch._inductor.config.post_grad_custom_post_pass`` as a
    ``CustomGraphPass`` (its ``uuid()`` hashes the pass source and the config, so
    Inductor's FX graph cache stays on and a config change is a cache miss). A pass the
@@ -33,12 +46,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import _torch, dump, effects, grad_sync, stock
+from . import config as config_module
 from .config import config
 from .log import log
 from .ops import ALL_REDUCE_GRADIENT, HOOK
@@ -145,49 +158,6 @@ def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
     return torch.compile(graph_module, backend=backend, **kwargs)
 
 
-# name -> function that undoes it, in the order applied
-_undo: dict[str, Callable[[], None]] = {}
-_compiled_autograd: list[_torch.compiled_autograd.Handle] = []  # the one installed
-
-
-def _install_compiled_autograd() -> Callable[[], None]:
-    dynamic = effects.DYNAMIC_BACKWARD in effects.wanted()
-    handle = _torch.compiled_autograd.install(compile_backward, dynamic)
-    _compiled_autograd[:] = [handle]
-    return handle.restore
-
-
-def _dynamic_backward() -> Callable[[], None]:
-    """Compiled autograd, if on, goes on tracing with dynamic sizes."""
-    ca = effects.COMPILED_AUTOGRAD
-    if ca in _undo and not _compiled_autograd[0].dynamic:
-        _undo.pop(ca)()
-        _undo[ca] = _install_compiled_autograd()
-    return lambda: None  # undone with compiled autograd itself
-
-
-# effects.py's effects: what applies each
-_EFFECTS: dict[str, Callable[[], Callable[[], None]]] = {
-    effects.COMPILED_AUTOGRAD: _install_compiled_autograd,
-    effects.DYNAMIC_BACKWARD: _dynamic_backward,
-    effects.DTENSOR_CLONE: _torch.compiled_autograd.allow_dtensor_post_accumulate_grad_hooks,
-}
-
-
-def _install_pass() -> Callable[[], None]:
-    for cls in (FuseDDPAllReduces, _Chain):
-        _torch.inductor.register_graph_pass(cls)
-    previous = _torch.inductor.post_grad_pass()
-    slot = THE_PASS if previous is None else _Chain((previous, THE_PASS))
-    _torch.inductor.set_post_grad_pass(slot)
-
-    def undo() -> None:
-        if _torch.inductor.post_grad_pass() is slot:
-            _torch.inductor.set_post_grad_pass(previous)
-
-    return undo
-
-
 def _refuse_cpp_reducer(ddp: Any) -> None:
     """Only for a forward whose backward would reduce gradients."""
     if (
@@ -205,47 +175,109 @@ def _refuse_cpp_reducer(ddp: Any) -> None:
         )
 
 
-def install() -> None:
-    if _undo:
+PATCHES = _torch.patching.Patches()
+"""Every process-wide change ``config.enabled`` made (``_torch.patching``): restored
+when it goes off."""
+
+_ENVIRONMENT = _torch.patching.Patches()
+"""torch DDP's constructor checking a bad ``DDP_FUSION*`` value (:func:`at_import`)."""
+
+
+class _State:
+    on = False
+    """``enabled``: torch DDP's constructor adopts."""
+    in_use = False
+    """And the rest applied (:func:`_use`): check_torch, the pass, DDP's forward, effects."""
+
+
+def _apply(effect: str) -> None:
+    wanted = effects.wanted()
+    if effect in (effects.COMPILED_AUTOGRAD, effects.DYNAMIC_BACKWARD):
+        # compiled autograd, if asked for, traces with dynamic sizes once those are asked for
+        if effects.COMPILED_AUTOGRAD in wanted:
+            _torch.compiled_autograd.install(PATCHES, compile_backward, effects.DYNAMIC_BACKWARD in wanted)
+    elif effect == effects.DTENSOR_CLONE:
+        _torch.compiled_autograd.allow_dtensor_post_accumulate_grad_hooks(PATCHES)
+
+
+def _with_our_pass(previous: Any) -> Any:
+    return THE_PASS if previous is None else _Chain((previous, THE_PASS))
+
+
+def _use() -> None:
+    """Everything but torch DDP's constructor: ``check_torch()`` (which imports Dynamo
+    and Inductor), the pass in Inductor's slot, torch DDP's forward, the effects asked
+    for. Done when ``enabled`` is set in code, or, under ``DDP_FUSION=1``, when
+    ddp_fusion is first used (effects.IN_USE)."""
+    if _State.in_use:
         return
     _torch.check_torch()
+    for cls in (FuseDDPAllReduces, _Chain):
+        _torch.inductor.register_graph_pass(cls)
+    _torch.inductor.fill_post_grad_slot(PATCHES, _with_our_pass)
+    _torch.ddp.patch_forward(PATCHES, _refuse_cpp_reducer)
+    _State.in_use = True
+    for effect in effects.wanted():
+        _apply(effect)
+
+
+def _before_ddp_init(arguments: dict[str, Any]) -> None:
+    config_module.check_env()  # before anything is imported for a model that will not be built
+    _use()
+    stock.refuse_arguments(arguments)
+
+
+def install(lazily: bool = False) -> None:
+    """``enabled`` on: torch DDP's constructor (and ``replicate()``'s) patched to adopt,
+    and, unless ``lazily``, the rest (:func:`_use`) now. All or nothing."""
+    if _State.on:
+        return
     try:
-        _undo["pass"] = _install_pass()
-        _undo["stock_ddp"] = _torch.ddp.patch_forward(_refuse_cpp_reducer)
-        _undo["stock_ddp_init"] = _torch.ddp.patch_init(stock.refuse_arguments, stock.adopt)
-        for effect in effects.wanted():
-            _undo[effect] = _EFFECTS[effect]()
+        _torch.ddp.patch_init(PATCHES, _before_ddp_init, stock.adopt)
+        _State.on = True
+        if not lazily or effects.IN_USE in effects.wanted():
+            _use()
     except BaseException:
-        # All or nothing: the setting reverts (config.py), so undo what was applied.
-        for name in reversed(list(_undo)):
-            _undo.pop(name)()
+        # the setting reverts (config.py), so undo what was applied
+        _State.on = _State.in_use = False
+        PATCHES.restore()
         raise
 
 
 def uninstall() -> None:
-    ca = effects.COMPILED_AUTOGRAD
-    if ca in _undo:
-        _undo[ca]()  # first: it may refuse, and then nothing changed
-        del _undo[ca]
-    for name in reversed(list(_undo)):
-        _undo.pop(name)()
+    """``enabled`` off: every change restored, newest first. Refused (``RuntimeError``,
+    nothing changed) inside a compiled-autograd context opened after ddp_fusion turned
+    compiled autograd on."""
+    PATCHES.restore()
+    _State.on = _State.in_use = False
 
 
 def _on_want(effect: str) -> None:
     """A model asked for ``effect`` (effects.py): apply it now if enabled (again, if
     something undid it: ``torch._dynamo.reset()`` turns compiled autograd off)."""
-    if not _undo:
-        return  # not enabled: applied when it is
-    if effect == effects.COMPILED_AUTOGRAD and effect in _undo:
-        handle = _compiled_autograd[0]
-        if handle.current() is handle.factory:
-            return
-        _undo.pop(effect)()
-    if effect not in _undo:
-        _undo[effect] = _EFFECTS[effect]()
+    if not _State.on:
+        return  # applied when enabled goes on
+    _use()
+    _apply(effect)
 
 
 effects.on_want(_on_want)
+
+
+def _check_environment(arguments: dict[str, Any]) -> None:
+    config_module.check_env()
+    _ENVIRONMENT.restore()  # every bad value overridden in code: torch's constructor back
+
+
+def at_import() -> None:
+    """What ``import ddp_fusion`` (so every ``import torch``, through the entry point)
+    does to torch: a bad ``DDP_FUSION*`` value makes torch DDP's constructor raise its
+    error (config.check_env); ``DDP_FUSION=1`` patches torch DDP's constructor only, and
+    leaves the rest (which imports Dynamo and Inductor) to the first use."""
+    if config_module.env_errors():
+        _torch.ddp.patch_init(_ENVIRONMENT, _check_environment, replicate=False)
+    if config.enabled:
+        install(lazily=True)
 
 
 def _on_change(name: str, value: Any) -> None:

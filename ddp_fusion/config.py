@@ -7,9 +7,20 @@ Set them before ``torch.compile``::
     with ddp_fusion.config.patch(schedule_waits=False):
         ...
 
-Every value is checked when it is set; a bad one raises ``ValueError`` naming the
-setting (or the environment variable it came from). Environment variables are read once,
-when ``ddp_fusion`` is imported.
+Every value set in code is checked when it is set; a bad one raises ``ValueError``
+naming the setting.
+
+Environment variables (``DDP_FUSION``, ``DDP_FUSION_ALGORITHM``, ...) are read once,
+when ``ddp_fusion`` is imported, which torch does at every ``import torch`` through its
+entry point: so a bad value must never fail there. It is a warning instead (naming the
+variable, the value and what is accepted), its setting keeps its default, and the
+``ValueError`` naming the variable is raised where ddp_fusion is first used: when a
+``torch.nn.parallel.DistributedDataParallel`` or a ``ddp_fusion.DistributedDataParallel``
+is constructed (:func:`check_env`).
+
+Code beats the environment: a setting set in code (``config.enabled = False`` under
+``DDP_FUSION=1``, say) keeps the value the code gave it, and clears the error of a bad
+value of its variable.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from typing import Any
 ALGORITHMS = ("concat", "coalesced")
 
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+_FALSE = ("0", "false", "no", "off")
 
 
 @dataclasses.dataclass
@@ -34,7 +45,11 @@ class Config:
     """Fuse DDP gradient all-reduces. Setting it installs the post-grad pass in Inductor
     (next to any pass already there) and adopts torch DDP models built from then on;
     compiled autograd turns on for ``backward()`` once such a model's forward runs
-    compiled (effects.py). Clearing it undoes all of these. Env: ``DDP_FUSION``."""
+    compiled (effects.py). Clearing it undoes all of these. Env: ``DDP_FUSION``
+    (``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``, any case); then
+    torch DDP's constructor is patched at import and the rest waits for the first
+    model (``_install.py``). Code beats the environment: ``config.enabled = False``
+    under ``DDP_FUSION=1`` turns it off."""
 
     algorithm: str = "concat"
     """``"concat"``: flatten + cat each bucket into one buffer, one ``all_reduce``, split
@@ -54,11 +69,13 @@ class Config:
     ``max_in_flight_gb``). None: no bound. Env: ``DDP_FUSION_MAX_IN_FLIGHT_MB``
     (a number, or ``none``)."""
 
-    bucket_cap_mb: str | None = None
-    """``"auto"``: every torch DDP adopted under the flag gets bucket limits chosen for
-    the link and the backward (autocap.py) instead of its ``bucket_cap_mb`` /
-    ``bucket_cap_mb_list`` (the wrapper takes ``bucket_cap_mb="auto"`` itself). None:
-    DDP's own arguments. Env: ``DDP_FUSION_BUCKET_CAP_MB``."""
+    bucket_cap_mb: str | float | None = None
+    """For every torch DDP adopted under the flag, instead of its own ``bucket_cap_mb`` /
+    ``bucket_cap_mb_list``: ``"auto"``, bucket limits chosen for the link and the
+    backward (autocap.py); a positive number, that cap in MiB (as DDP's
+    ``bucket_cap_mb``). None: each DDP's own arguments. The wrapper takes its own
+    arguments (``bucket_cap_mb="auto"`` included) and ignores this. Env:
+    ``DDP_FUSION_BUCKET_CAP_MB`` (``auto`` or a number)."""
 
     link: tuple[float, float] | None = None
     """For ``bucket_cap_mb="auto"``: the link as ``(latency in microseconds, bandwidth
@@ -84,6 +101,7 @@ class Config:
                 f"{', '.join(f.name for f in dataclasses.fields(Config))}"
             )
         value = validate(name, value)
+        _env_errors.pop(name, None)  # code beats the environment
         old = self.__dict__.get(name, _UNSET)
         object.__setattr__(self, name, value)
         if old is not _UNSET and old != value:
@@ -134,13 +152,16 @@ def _algorithm(name: str, value: Any) -> str:
     return value
 
 
-def _auto_cap(name: str, value: Any) -> str | None:
-    if value is not None and value != "auto":
+def _bucket_cap(name: str, value: Any) -> str | float | None:
+    if value is None or value == "auto":  # autocap.AUTO
+        return value
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value <= 0):
         raise ValueError(
-            f"ddp_fusion.config.{name} must be 'auto' or None (then each DDP's own "
-            f"bucket_cap_mb applies), got {value!r}"
+            f"ddp_fusion.config.{name} must be 'auto', a positive number of MiB, or None (then "
+            f"each DDP's own bucket_cap_mb applies), got {value!r}"
         )
-    return value
+    return float(value)
 
 
 def _link(name: str, value: Any) -> tuple[float, float] | None:
@@ -213,69 +234,125 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "algorithm": _algorithm,
     "schedule_waits": _bool,
     "max_in_flight_mb": _megabytes,
-    "bucket_cap_mb": _auto_cap,
+    "bucket_cap_mb": _bucket_cap,
     "link": _link,
     "dump_dir": _dump_dir,
     "backward_compile_kwargs": _compile_kwargs,
 }
 
 
+_BOOLEANS = "1, 0, true, false, yes, no, on, off (any case)"
+
+
 def _env_bool(var: str, raw: str) -> bool:
-    if raw.strip().lower() in _TRUE:
+    if raw.lower() in _TRUE:
         return True
-    if raw.strip().lower() in _FALSE:
+    if raw.lower() in _FALSE:
         return False
-    raise ValueError(f"environment variable {var} must be 1 or 0 (true/false), got {raw!r}")
+    raise ValueError(f"environment variable {var} must be one of {_BOOLEANS}, got {raw!r}")
 
 
-def from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, Any]:
-    """The settings given by ``DDP_FUSION*`` environment variables (validated)."""
+def _env_algorithm(var: str, raw: str) -> str:
+    if raw not in ALGORITHMS:
+        raise ValueError(f"environment variable {var} must be one of {', '.join(ALGORITHMS)}, got {raw!r}")
+    return raw
+
+
+def _env_in_flight(var: str, raw: str) -> float | None:
+    try:
+        return None if raw.lower() == "none" else _megabytes("max_in_flight_mb", float(raw))
+    except ValueError:
+        raise ValueError(f"environment variable {var} must be a positive number of MiB or 'none', "
+                         f"got {raw!r}") from None
+
+
+def _env_bucket_cap(var: str, raw: str) -> str | float:
+    try:
+        return "auto" if raw == "auto" else _bucket_cap("bucket_cap_mb", float(raw))
+    except ValueError:
+        raise ValueError(f"environment variable {var} must be 'auto' or a positive number of MiB, "
+                         f"got {raw!r}") from None
+
+
+def _env_link(var: str, raw: str) -> tuple[float, float] | None:
+    try:
+        return _link("link", tuple(float(v) for v in raw.split(",")))
+    except ValueError:
+        raise ValueError(f"environment variable {var} must be 'latency_us,gbytes_per_s' (two numbers, "
+                         f"e.g. '30,12.5'), got {raw!r}") from None
+
+
+def _env_compile_kwargs(var: str, raw: str) -> dict[str, Any]:
+    try:
+        return _compile_kwargs("backward_compile_kwargs", json.loads(raw))
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"environment variable {var} must be a JSON object of torch.compile "
+                         f"arguments (any of {', '.join(_COMPILE_KWARGS)}), got {raw!r}: {e}") from None
+
+
+#: setting -> (its environment variable, the parser of the variable's value)
+ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "enabled": ("DDP_FUSION", _env_bool),
+    "algorithm": ("DDP_FUSION_ALGORITHM", _env_algorithm),
+    "schedule_waits": ("DDP_FUSION_SCHEDULE_WAITS", _env_bool),
+    "max_in_flight_mb": ("DDP_FUSION_MAX_IN_FLIGHT_MB", _env_in_flight),
+    "bucket_cap_mb": ("DDP_FUSION_BUCKET_CAP_MB", _env_bucket_cap),
+    "link": ("DDP_FUSION_LINK", _env_link),
+    "dump_dir": ("DDP_FUSION_DUMP_DIR", lambda var, raw: raw),
+    "backward_compile_kwargs": ("DDP_FUSION_BACKWARD_COMPILE_KWARGS", _env_compile_kwargs),
+}
+
+
+def from_env(
+    environ: dict[str, str] | os._Environ[str] = os.environ,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings ``DDP_FUSION*`` environment variables give (validated), and for each
+    setting whose variable has a bad value, the error naming the variable, its value and
+    what is accepted. An empty (or blank) variable counts as unset."""
     values: dict[str, Any] = {}
-    if "DDP_FUSION" in environ:
-        values["enabled"] = _env_bool("DDP_FUSION", environ["DDP_FUSION"])
-    if "DDP_FUSION_ALGORITHM" in environ:
-        raw = environ["DDP_FUSION_ALGORITHM"].strip()
-        if raw not in ALGORITHMS:
-            raise ValueError(
-                f"environment variable DDP_FUSION_ALGORITHM must be one of "
-                f"{', '.join(ALGORITHMS)}, got {raw!r}"
-            )
-        values["algorithm"] = raw
-    if "DDP_FUSION_SCHEDULE_WAITS" in environ:
-        values["schedule_waits"] = _env_bool(
-            "DDP_FUSION_SCHEDULE_WAITS", environ["DDP_FUSION_SCHEDULE_WAITS"]
+    errors: dict[str, str] = {}
+    for name, (var, parse) in ENV.items():
+        raw = environ.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            values[name] = parse(var, raw)
+        except ValueError as e:
+            errors[name] = str(e)
+    return values, errors
+
+
+# setting -> the error of its environment variable's bad value, until code sets it
+_env_errors: dict[str, str] = {}
+
+
+def apply_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """Set what the ``DDP_FUSION*`` variables give. A bad value leaves its setting at its
+    default; its error is returned (for a warning) and kept for :func:`check_env` until
+    code sets that setting."""
+    values, errors = from_env(environ)
+    for name, value in values.items():
+        setattr(config, name, value)
+    _env_errors.clear()
+    _env_errors.update(errors)
+    return errors
+
+
+def env_errors() -> dict[str, str]:
+    """setting -> the error of its variable's bad value, for those code has not set since."""
+    return dict(_env_errors)
+
+
+def check_env() -> None:
+    """Raise the ``ValueError`` of every ``DDP_FUSION*`` variable whose bad value was
+    ignored at import, unless code has set its setting since. Called where ddp_fusion
+    is first used: a torch DDP or a ddp_fusion wrapper constructed."""
+    if _env_errors:
+        fixes = ", ".join(f"ddp_fusion.config.{name}" for name in _env_errors)
+        raise ValueError(
+            f"{'; '.join(_env_errors.values())} (ignored at import, so ddp_fusion used the "
+            f"default; fix the environment, or set {fixes} in code, which takes precedence)"
         )
-    if "DDP_FUSION_MAX_IN_FLIGHT_MB" in environ:
-        var, raw = "DDP_FUSION_MAX_IN_FLIGHT_MB", environ["DDP_FUSION_MAX_IN_FLIGHT_MB"].strip()
-        try:
-            values["max_in_flight_mb"] = None if raw.lower() == "none" else _megabytes(
-                "max_in_flight_mb", float(raw))
-        except ValueError:
-            raise ValueError(f"environment variable {var} must be a positive number of MiB or "
-                             f"'none', got {raw!r}") from None
-    if environ.get("DDP_FUSION_BUCKET_CAP_MB"):
-        raw = environ["DDP_FUSION_BUCKET_CAP_MB"].strip()
-        if raw != "auto":
-            raise ValueError(f"environment variable DDP_FUSION_BUCKET_CAP_MB must be 'auto', got {raw!r}")
-        values["bucket_cap_mb"] = raw
-    if environ.get("DDP_FUSION_LINK"):
-        var, raw = "DDP_FUSION_LINK", environ["DDP_FUSION_LINK"]
-        try:
-            values["link"] = _link("link", tuple(float(v) for v in raw.split(",")))
-        except ValueError:
-            raise ValueError(f"environment variable {var} must be 'latency_us,gbytes_per_s' "
-                             f"(e.g. '30,12.5'), got {raw!r}") from None
-    if environ.get("DDP_FUSION_DUMP_DIR"):
-        values["dump_dir"] = environ["DDP_FUSION_DUMP_DIR"]
-    if environ.get("DDP_FUSION_BACKWARD_COMPILE_KWARGS"):
-        var = "DDP_FUSION_BACKWARD_COMPILE_KWARGS"
-        try:
-            parsed = json.loads(environ[var])
-            values["backward_compile_kwargs"] = _compile_kwargs("backward_compile_kwargs", parsed)
-        except ValueError as e:  # json.JSONDecodeError is a ValueError
-            raise ValueError(f"environment variable {var} must be a JSON object of "
-                             f"torch.compile arguments: {e}") from None
-    return values
 
 
 config = Config()

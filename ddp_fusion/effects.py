@@ -5,6 +5,11 @@ here; ``_install`` applies it now if ``enabled`` is on, or when it is turned on,
 undoes it when it is turned off. Kept apart so that the models (below ``_install`` in
 the layer map) never import ``_install``. The effects:
 
+* ddp_fusion in use: everything ``enabled`` changes beyond torch DDP's constructor
+  (``check_torch()``, the pass in Inductor's slot, torch DDP's forward), asked for when
+  a model is wrapped or adopted, the tagged op is called, or the pass is run. With
+  ``DDP_FUSION=1`` the import (at every ``import torch``) patches torch DDP's
+  constructor only, so that it imports neither Dynamo nor Inductor; this is the rest;
 * compiled autograd for every backward, asked for when a model's forward first runs
   compiled (so that a model that is never compiled keeps eager DDP's speed and nothing
   is compiled that the user did not compile);
@@ -19,6 +24,12 @@ the layer map) never import ``_install``. The effects:
 from __future__ import annotations
 
 from collections.abc import Callable
+
+IN_USE = "in_use"
+"""ddp_fusion is used in this process: ``check_torch()``, the pass in Inductor's
+post-grad slot, torch DDP's forward patched (``_install``). Ask before Inductor compiles
+a graph that holds the tagged op: the pass's ``uuid()`` is part of Inductor's FX graph
+cache key."""
 
 COMPILED_AUTOGRAD = "compiled_autograd"
 """Compiled autograd on for every ``backward()`` (``_torch.compiled_autograd.install``)."""

@@ -373,6 +373,7 @@ class GradSync:
         settings: dict[str, Any] | None = None,
     ) -> None:
         _torch.check_torch()
+        effects.want(effects.IN_USE)  # under DDP_FUSION=1, the pass goes into its slot now
         for name, p in params:
             if p.device.type == "meta":
                 raise ValueError(

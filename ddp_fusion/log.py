@@ -12,8 +12,13 @@
 Warnings go to the same ``ddp_fusion`` logger, so they show without ``TORCH_LOGS``.
 torch loads ddp_fusion's entry point (``_autoload``) when it is imported, before it
 parses ``TORCH_LOGS``, so these names are accepted there and listed by
-``TORCH_LOGS=help``; imported later (entry points off), ddp_fusion registers them and
-applies ``TORCH_LOGS`` again.
+``TORCH_LOGS=help``. With entry points off (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``),
+torch parses ``TORCH_LOGS`` before ddp_fusion has registered anything:
+``TORCH_LOGS=ddp_fusion`` (or ``+ddp_fusion``) still works, because torch takes an
+unknown name that is an importable module as that module's logger (and imports the
+package to find its submodules, so ddp_fusion is imported by torch itself), but
+``TORCH_LOGS=ddp_fusion_graphs`` is refused by ``import torch`` ("Invalid log
+settings"), which ddp_fusion cannot change. Nothing is parsed again at a later import.
 """
 
 from __future__ import annotations
@@ -33,8 +38,7 @@ log = logging.getLogger(NAME)
 
 def _register() -> logging.Logger:
     try:
-        if _torch.logs.register(NAME, ARTIFACTS):
-            _torch.logs.reparse()
+        _torch.logs.register(NAME, ARTIFACTS)
         return _torch.logs.artifact_logger(NAME, GRAPHS)
     except Exception as e:  # noqa: BLE001 - a torch without these: check_torch() names it later
         log.debug("ddp_fusion: could not register with torch's logging: %r", e)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _torch, scaling
+from . import _torch, effects, scaling
 from .plan import ddp_bucket_limits
 
 REDUCE_OPS = ("avg", "sum")
@@ -137,6 +137,10 @@ def default_group(group: dist.ProcessGroup | None, who: str) -> dist.ProcessGrou
     return dist.group.WORLD
 
 
+def _in_use() -> None:
+    effects.want(effects.IN_USE)
+
+
 def all_reduce_gradient(
     grad: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -186,4 +190,5 @@ def all_reduce_gradient(
             f"all_reduce_gradient: ready_order must be a non-negative int or None, got {ready_order!r}"
         )
     ready = -1 if ready_order is None else ready_order
+    _torch.dynamo.at_trace_time(_in_use)  # the pass in its slot before Inductor keys the graph
     return ALL_REDUCE_GRADIENT(grad, group.group_name, reduce_op, limits, name, comm_dtype, ready)

@@ -8,7 +8,8 @@ constructor has run (its checks, the parameter broadcast, its C++ reducer):
   compiled autograd cannot run them) and forward takes the path torch takes for its
   own python reducer, so DDPOptimizer never splits the graph;
 * the parameters get ddp_fusion's per-parameter hooks (``grad_sync.GradSync``), with this
-  DDP's process group, ``bucket_cap_mb`` / ``bucket_cap_mb_list`` and
+  DDP's process group, ``bucket_cap_mb`` / ``bucket_cap_mb_list`` (or
+  ``config.bucket_cap_mb``, ``"auto"`` or a number, where set) and
   ``find_unused_parameters``; the pass fuses them as it fuses the wrapper's;
 * each forward does what eager DDP's does around the module: move inputs to
   ``device_ids``, read ``require_backward_grad_sync`` (``no_sync()``; decided at
@@ -102,7 +103,8 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
     if not params:
         return  # torch DDP has already refused this; nothing to reduce
     find_unused = bool(arguments.get("find_unused_parameters"))
-    auto = config.bucket_cap_mb == AUTO
+    cap = config.bucket_cap_mb  # None, "auto", or a number of MiB: instead of this DDP's own
+    auto = cap == AUTO
     if auto and find_unused:
         log.warning(
             "ddp_fusion: config.bucket_cap_mb='auto' does not plan for a DDP with "
@@ -110,8 +112,12 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
             "this one keeps its own bucket caps"
         )
         auto = False
-    limits = (ddp_bucket_limits() if auto else
-              ddp_bucket_limits(arguments.get("bucket_cap_mb"), arguments.get("bucket_cap_mb_list")))
+    if auto:
+        limits = ddp_bucket_limits()  # DDP's default until the first compiled forward chooses
+    elif cap is not None and cap != AUTO:
+        limits = ddp_bucket_limits(cap)
+    else:
+        limits = ddp_bucket_limits(arguments.get("bucket_cap_mb"), arguments.get("bucket_cap_mb_list"))
     sync = GradSync(
         ddp,
         module,

@@ -25,6 +25,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from . import _torch
 from .autocap import AUTO
+from .config import check_env
 from .grad_sync import GradSync, broadcast
 from .ops import default_group
 from .plan import ddp_bucket_limits
@@ -73,6 +74,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
+        check_env()  # a DDP_FUSION* value ignored at import raises here
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):

@@ -1,12 +1,15 @@
-"""``ddp_fusion.config``: validation names the setting, env variables parse strictly
-(and are applied at import), ``patch`` restores, and the wrapper rejects bad arguments
-before touching the network.
+"""``ddp_fusion.config``: validation names the setting, env variables parse strictly,
+``patch`` restores, and the wrapper rejects bad arguments before touching the network.
+A bad ``DDP_FUSION*`` value never breaks ``import torch`` (torch imports ddp_fusion
+through its entry point): it is a warning there, the setting keeps its default, and the
+``ValueError`` naming the variable comes at the first DDP model built, unless code has
+set the setting since (code beats the environment).
 
 README's "Bad input, and what happens", row by row:
 
 * bad ``config`` values: ``test_bad_value_names_the_setting``; unknown setting:
-  ``test_unknown_setting``; bad env values: ``test_bad_env_names_the_variable`` and, at
-  import, ``test_bad_env_value_fails_at_import``;
+  ``test_unknown_setting``; bad env values: ``test_bad_env_names_the_variable`` and, in
+  a fresh interpreter, ``test_bad_env_value_is_a_warning_at_import_and_an_error_at_the_first_ddp``;
 * bucket arguments, ``process_group`` / ``device_mesh``, ``comm_dtype`` /
   ``reduce_dtype``, already wrapped, sparse parameter, several device types, no
   trainable parameter, ``torch.distributed`` not initialized: ``TestWrapperArguments``;
@@ -18,6 +21,7 @@ README's "Bad input, and what happens", row by row:
 """
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -34,7 +38,9 @@ from ddp_fusion.config import Config, from_env
     "name, value",
     [("enabled", 1), ("enabled", "yes"), ("algorithm", "ring"), ("schedule_waits", None),
      ("dump_dir", 3), ("dump_dir", ""), ("max_in_flight_mb", 0), ("max_in_flight_mb", "5"),
-     ("max_in_flight_mb", float("inf")), ("bucket_cap_mb", 25), ("bucket_cap_mb", "AUTO"),
+     ("max_in_flight_mb", float("inf")), ("bucket_cap_mb", 0), ("bucket_cap_mb", -25),
+     ("bucket_cap_mb", "25"), ("bucket_cap_mb", True), ("bucket_cap_mb", float("nan")),
+     ("bucket_cap_mb", "AUTO"),
      ("link", (30,)), ("link", (30, 0)), ("link", (-1, 10)), ("link", "30,10")],
 )
 def test_bad_value_names_the_setting(name, value):
@@ -53,88 +59,138 @@ def test_unknown_setting():
     [
         ({"DDP_FUSION": "1"}, {"enabled": True}),
         ({"DDP_FUSION": "off"}, {"enabled": False}),
+        ({"DDP_FUSION": " Yes "}, {"enabled": True}),
+        ({"DDP_FUSION": "FALSE"}, {"enabled": False}),
+        ({"DDP_FUSION": ""}, {}),  # empty: unset
         ({"DDP_FUSION_ALGORITHM": "coalesced"}, {"algorithm": "coalesced"}),
         ({"DDP_FUSION_SCHEDULE_WAITS": "0"}, {"schedule_waits": False}),
         ({"DDP_FUSION_DUMP_DIR": "/tmp/d"}, {"dump_dir": "/tmp/d"}),
         ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "64"}, {"max_in_flight_mb": 64.0}),
         ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "None"}, {"max_in_flight_mb": None}),
         ({"DDP_FUSION_BUCKET_CAP_MB": "auto"}, {"bucket_cap_mb": "auto"}),
+        ({"DDP_FUSION_BUCKET_CAP_MB": "25"}, {"bucket_cap_mb": 25.0}),
+        ({"DDP_FUSION_BUCKET_CAP_MB": "0.5"}, {"bucket_cap_mb": 0.5}),
         ({"DDP_FUSION_LINK": "30,12.5"}, {"link": (30.0, 12.5)}),
         ({}, {}),
     ],
 )
 def test_env(env, expected):
-    assert from_env(env) == expected
+    assert from_env(env) == (expected, {})
+
+
+BOOLEANS = "must be one of 1, 0, true, false, yes, no, on, off (any case), got "
 
 
 @pytest.mark.parametrize(
-    "env, var",
-    [({"DDP_FUSION": "maybe"}, "DDP_FUSION"),
-     ({"DDP_FUSION_ALGORITHM": "tree"}, "DDP_FUSION_ALGORITHM"),
-     ({"DDP_FUSION_SCHEDULE_WAITS": "2"}, "DDP_FUSION_SCHEDULE_WAITS"),
-     ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "-1"}, "DDP_FUSION_MAX_IN_FLIGHT_MB"),
-     ({"DDP_FUSION_BUCKET_CAP_MB": "25"}, "DDP_FUSION_BUCKET_CAP_MB"),
-     ({"DDP_FUSION_LINK": "30"}, "DDP_FUSION_LINK"),
-     ({"DDP_FUSION_LINK": "fast,slow"}, "DDP_FUSION_LINK")],
+    "env, setting, message",
+    [({"DDP_FUSION": "maybe"}, "enabled", "DDP_FUSION " + BOOLEANS + "'maybe'"),
+     ({"DDP_FUSION": "2"}, "enabled", "DDP_FUSION " + BOOLEANS + "'2'"),
+     ({"DDP_FUSION_ALGORITHM": "tree"}, "algorithm",
+      "DDP_FUSION_ALGORITHM must be one of concat, coalesced, got 'tree'"),
+     ({"DDP_FUSION_SCHEDULE_WAITS": "2"}, "schedule_waits", "DDP_FUSION_SCHEDULE_WAITS " + BOOLEANS + "'2'"),
+     ({"DDP_FUSION_MAX_IN_FLIGHT_MB": "-1"}, "max_in_flight_mb",
+      "DDP_FUSION_MAX_IN_FLIGHT_MB must be a positive number of MiB or 'none', got '-1'"),
+     ({"DDP_FUSION_BUCKET_CAP_MB": "25MB"}, "bucket_cap_mb",
+      "DDP_FUSION_BUCKET_CAP_MB must be 'auto' or a positive number of MiB, got '25MB'"),
+     ({"DDP_FUSION_BUCKET_CAP_MB": "0"}, "bucket_cap_mb",
+      "DDP_FUSION_BUCKET_CAP_MB must be 'auto' or a positive number of MiB, got '0'"),
+     ({"DDP_FUSION_LINK": "30"}, "link", "DDP_FUSION_LINK must be 'latency_us,gbytes_per_s'"),
+     ({"DDP_FUSION_LINK": "garbage"}, "link", "DDP_FUSION_LINK must be 'latency_us,gbytes_per_s'"),
+     ({"DDP_FUSION_BACKWARD_COMPILE_KWARGS": "{"}, "backward_compile_kwargs",
+      "DDP_FUSION_BACKWARD_COMPILE_KWARGS must be a JSON object")],
 )
-def test_bad_env_names_the_variable(env, var):
-    with pytest.raises(ValueError, match=var):
-        from_env(env)
+def test_bad_env_names_the_variable(env, setting, message):
+    """A bad value gives no setting, and an error naming the variable, the value and
+    what is accepted."""
+    values, errors = from_env({**env, "DDP_FUSION_DUMP_DIR": "/tmp/d"})
+    assert values == {"dump_dir": "/tmp/d"}  # the good ones still apply
+    assert list(errors) == [setting]
+    assert errors[setting].startswith("environment variable " + message), errors
 
 
-IMPORT_STATE = """
-import torch._dynamo.compiled_autograd as ca, torch._inductor.config as inductor, ddp_fusion
-print(f"installed={inductor.post_grad_custom_post_pass is ddp_fusion._install.THE_PASS}",
-      f"compiled_autograd={ca.compiled_autograd_enabled}")
+# Each bad value the way torch meets it: through the entry point at `import torch`
+# (ddp_fusion imported there, a warning); then the first torch DDP and the first
+# wrapper raise the error; after code sets the setting (to its default), both build.
+BAD_ENV = """
+import json, sys, torch
+print("imported", "ddp_fusion" in sys.modules, flush=True)
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import ddp_fusion
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+def builds():
+    errors = []
+    for build in (torch.nn.parallel.DistributedDataParallel, ddp_fusion.DistributedDataParallel):
+        try:
+            build(torch.nn.Linear(2, 2))
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+first = builds()
+setting = sys.argv[1]
+setattr(ddp_fusion.config, setting, getattr(ddp_fusion.config, setting))  # code sets it
+print(json.dumps({"first": first, "after_code": builds(), "enabled": ddp_fusion.config.enabled}))
+"""
+
+BAD_VALUES = {  # variable: (value, setting, what the message says is accepted)
+    "DDP_FUSION": ("2", "enabled", BOOLEANS),
+    "DDP_FUSION_LINK": ("garbage", "link", "must be 'latency_us,gbytes_per_s'"),
+    "DDP_FUSION_ALGORITHM": ("tree", "algorithm", "must be one of concat, coalesced, got "),
+    "DDP_FUSION_BUCKET_CAP_MB": ("25MB", "bucket_cap_mb", "must be 'auto' or a positive number of MiB"),
+}
+
+# DDP_FUSION=1 with enabled = False in code: off (code beats the environment)
+CODE_BEATS_ENV = """
+import json, torch, ddp_fusion
 ddp_fusion.config.enabled = False
-print(f"removed={inductor.post_grad_custom_post_pass is None}",
-      f"compiled_autograd={ca.compiled_autograd_enabled}")
+init = torch.nn.parallel.DistributedDataParallel.__init__
+print(json.dumps({"patched": "ddp_fusion" in init.__code__.co_filename}))
 """
 
 
 @pytest.fixture(scope="module")
 def fresh_imports():
-    """``import ddp_fusion`` in fresh interpreters, run side by side: with
-    ``DDP_FUSION=1`` (prints what is installed, then again after ``enabled = False``),
-    and with ``DDP_FUSION=maybe``. Returns ``{env value: CompletedProcess}``."""
+    """Fresh interpreters, run side by side: ``BAD_ENV`` with each of ``BAD_VALUES``, and
+    ``CODE_BEATS_ENV``. Returns ``{name: CompletedProcess}``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_FUSION")}
+    runs = {var: ([BAD_ENV, setting], {var: value}) for var, (value, setting, _) in BAD_VALUES.items()}
+    runs["code_beats_env"] = ([CODE_BEATS_ENV], {"DDP_FUSION": "1"})
     procs = {
-        value: subprocess.Popen(
-            [sys.executable, "-c", IMPORT_STATE],
-            env={**env, "DDP_FUSION": value},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for value in ("1", "maybe")
+        name: subprocess.Popen([sys.executable, "-c", *args], env={**env, **extra}, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for name, (args, extra) in runs.items()
     }
     out = {}
-    for value, p in procs.items():
+    for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=300)
-        out[value] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+        out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     return out
 
 
-def test_env_enabled_at_import_installs_the_pass_not_yet_compiled_autograd(fresh_imports):
-    """``DDP_FUSION=1``: importing ddp_fusion installs its pass as Inductor's
-    ``post_grad_custom_post_pass`` (so the first value is not true by default); compiled
-    autograd waits for a model's first compiled forward; clearing ``enabled`` removes
-    the pass."""
-    run = fresh_imports["1"]
+@pytest.mark.parametrize("var", BAD_VALUES)
+def test_bad_env_value_is_a_warning_at_import_and_an_error_at_the_first_ddp(fresh_imports, var):
+    value, setting, accepted = BAD_VALUES[var]
+    run = fresh_imports[var]
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[:2] == [
-        "installed=True compiled_autograd=False", "removed=True compiled_autograd=False"
-    ], run.stdout
+    assert "Failed to load the backend extension" not in run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "imported True", run.stdout
+    (warning,) = [line for line in run.stderr.splitlines() if var in line]
+    assert warning.startswith(f"ddp_fusion: environment variable {var} {accepted}"), warning
+    assert f"got {value!r}; ignored, so ddp_fusion.config.{setting} keeps its default" in warning
+    result = json.loads(lines[-1])
+    for error in result["first"]:  # torch's DDP, then the wrapper
+        assert error is not None and error.startswith(f"environment variable {var} {accepted}"), error
+        assert f"set ddp_fusion.config.{setting} in code" in error
+    assert result["after_code"] == [None, None]
+    assert result["enabled"] is False
 
 
-def test_bad_env_value_fails_at_import(fresh_imports):
-    """At torch's import (the entry point loads ddp_fusion), naming the variable."""
-    run = fresh_imports["maybe"]
-    assert run.returncode != 0
-    assert (
-        "ValueError: environment variable DDP_FUSION must be 1 or 0 (true/false), got 'maybe'"
-        in run.stderr.splitlines()
-    ), run.stderr
+def test_code_beats_the_environment(fresh_imports):
+    run = fresh_imports["code_beats_env"]
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == {"patched": False}
 
 
 def test_patch_restores_even_on_error():

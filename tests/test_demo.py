@@ -1,8 +1,10 @@
 """``python -m ddp_fusion`` (ddp_fusion/demo.py): ``--help`` shows every option's help
 and default; nonsensical values are refused by argparse, naming the option, before any
 rank starts; and a small run prints only the demo's own lines, with all-reduces per step
-counted exactly (one per bucket, eager reducer and fused; one per gradient, unfused)."""
+counted exactly (one per bucket, eager reducer and fused; one per gradient, unfused),
+and keeps its dumps only where ``--dump-dir`` asked for them."""
 
+import json
 import os
 import re
 import subprocess
@@ -75,21 +77,50 @@ def test_good_values_reach_the_ranks(monkeypatch):
 
 def test_small_run_prints_only_its_own_lines_and_counts_all_reduces_exactly(tmp_path):
     """2 gloo ranks, 2 x Linear(8, 8): 4 gradients (weights 256 bytes, biases 32) in 2
-    buckets of at most 0.0003 MB (314 bytes) whatever order they are ready in."""
+    buckets of at most 0.0003 MB (314 bytes) whatever order they are ready in. The dumps
+    asked for with --dump-dir are kept."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DDP_FUSION", None)
+    dumps = tmp_path / "dumps"
     cmd = [sys.executable, "-m", "ddp_fusion", "--width", "8", "--depth", "2", "--batch", "2",
-           "--steps", "2", "--bucket-cap-mb", "0.0003", "--dump-dir", str(tmp_path)]
+           "--steps", "2", "--bucket-cap-mb", "0.0003", "--dump-dir", str(dumps)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert proc.stderr == "", proc.stderr[-5000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("ddp_fusion demo: 2 x Linear(8, 8) on 2 gloo ranks"), lines
     own = (r"ddp_fusion demo: ", r"$", r"bucket plan \(rank 0", r"  bucket \d+: ", r"mode ",
-           r"(eager_reducer|unfused|fused) +\d+ ", r"fused is ")
+           r"(eager_reducer|unfused|fused) +\d+ ", r"fused issues ")
     stray = [line for line in lines if not any(re.match(p, line) for p in own)]
     assert not stray, proc.stdout
     buckets = sum(1 for line in lines if re.match(r"  bucket \d+: ", line))
     assert buckets == 2, proc.stdout
     counts = {m: int(c) for m, c in re.findall(r"^(eager_reducer|unfused|fused) +(\d+) ", proc.stdout, re.M)}
     assert counts == {"eager_reducer": buckets, "unfused": 4, "fused": buckets}, proc.stdout
+    assert lines[-1] == (f"fused issues 2 all-reduces per step where unfused issues 4 (both compiled "
+                         f"autograd); dumps in {dumps}"), proc.stdout
+    assert list(dumps.glob("rank0_*.buckets.json")), list(dumps.iterdir())
+
+
+def test_without_dump_dir_the_dumps_are_removed(monkeypatch, capsys):
+    """The ranks (here a stand-in that writes what they would) dump into a temporary
+    directory, which is gone once the demo has printed the plan from it."""
+    used = []
+
+    def ranks(fn, world_size, args, timeout):
+        dump_dir = args[1]
+        used.append(dump_dir)
+        plan = {"algorithm": "concat", "unfused": [], "buckets": [
+            {"num_grads": 1, "bytes": 32, "dtype": "float32", "group": "0", "grads": ["0.bias"]}]}
+        with open(os.path.join(dump_dir, "rank0_000_0_1_steady.buckets.json"), "w") as f:
+            json.dump(plan, f)
+        result = {"step_ms": 1.0, "spread_ms": 0.1, "collectives": 1, "compile_s": 1.0, "num_params": 1}
+        return [{mode: result for mode in demo.MODES}]
+
+    monkeypatch.setattr(demo, "run_ranks", ranks)
+    monkeypatch.setattr(sys, "argv", ["python -m ddp_fusion"])
+    demo.main()
+    (dump_dir,) = used
+    assert not os.path.exists(dump_dir)
+    out = capsys.readouterr().out
+    assert "  bucket 0:   1 grads" in out and "dumps in" not in out, out

@@ -1,11 +1,16 @@
 """What ``ddp_fusion.config.enabled = True`` changes in the process is undone when it
-goes off, stays out of graphs that are not ddp_fusion's, and lets the user's compile
-options reach the backward graphs (README: "What `enabled = True` changes")."""
+goes off (every setting, in every order of a user's own compiled-autograd context
+against ddp_fusion turning compiled autograd on and off), stays out of graphs that are
+not ddp_fusion's, and lets the user's compile options reach the backward graphs (user
+guide: "What `enabled = True` changes in the process")."""
+
+import itertools
 
 import pytest
 import torch
 import torch._inductor.config as inductor_config
 from torch._dynamo import compiled_autograd
+from torch.distributed._composable.replicate import _ReplicateState
 
 import ddp_fusion
 from ddp_fusion import effects
@@ -50,6 +55,115 @@ def test_off_inside_a_context_opened_after_is_refused_clearly_and_changes_nothin
     finally:
         ddp_fusion.config.enabled = False
     assert current_compiler() is None and not compiled_autograd.compiled_autograd_enabled
+
+
+DDP = torch.nn.parallel.DistributedDataParallel
+
+
+def settings() -> dict:
+    """Every process-wide setting that ``enabled`` and its effects may change."""
+    return {
+        "post_grad_custom_post_pass": inductor_config.post_grad_custom_post_pass,
+        "compiled autograd's compiler": current_compiler(),
+        "compiled_autograd_enabled": compiled_autograd.compiled_autograd_enabled,
+        "autograd multithreading": torch._C._is_multithreading_enabled(),
+        "DDP.__init__": DDP.__dict__["__init__"],
+        "DDP._pre_forward": DDP.__dict__["_pre_forward"],
+        "DDP._get_active_ddp_module": DDP.__dict__["_get_active_ddp_module"],
+        "_ReplicateState.init": _ReplicateState.__dict__["init"],
+        "compiled_autograd.maybe_clone": compiled_autograd.maybe_clone,
+    }
+
+
+CA_STATE = ("compiled autograd's compiler", "compiled_autograd_enabled", "autograd multithreading")
+
+
+def _orders() -> list[str]:
+    """T: ``enabled = True``; C: a model asks for compiled autograd (its compiled forward,
+    and DTensor parameters); F: ``enabled = False``; E / L: the user enters / leaves
+    ``compiled_autograd._enable``. Every interleaving of E < L with T < C < F, and runs
+    where C comes again (after the context closed, inside a context opened after ours)
+    or ``compiled_autograd.reset()`` (R, what ``torch._dynamo.reset()`` does) clears it."""
+    orders = []
+    for where in itertools.combinations(range(5), 2):
+        ours = iter("TCF")
+        orders.append("".join("EL"[where.index(i)] if i in where else next(ours) for i in range(5)))
+    return orders + ["TECLCF", "TCECLF", "TECLECLF", "TECLECF" + "L", "TCRF", "TCRCF", "TECRCLF"]
+
+
+@pytest.mark.parametrize("asked_before", [False, True], ids=["first_ask", "asked_before"])
+@pytest.mark.parametrize("order", _orders())
+def test_off_restores_every_setting_in_any_order_with_a_users_compiled_autograd_context(
+    order, asked_before, monkeypatch
+):
+    """``enabled = False`` puts back every setting as it was before ddp_fusion touched
+    it. Inside a context the user opened after ddp_fusion turned compiled autograd on,
+    it is refused (torch restores ddp_fusion's compiler when that context closes):
+    nothing changes, and it works once the context is closed. ``asked_before``: a
+    model asked for compiled autograd before the flag went on (T turns it on at once)."""
+    monkeypatch.setattr(effects, "_wanted", [effects.COMPILED_AUTOGRAD] if asked_before else [])
+    start = settings()
+    depth, ours_at, users, refused = 0, None, None, False
+    context = None
+    passed = False
+    try:
+        for event in order:
+            if event == "E":
+                context = compiled_autograd._enable(torch.compile)
+                context.__enter__()
+                depth += 1
+                users = {k: settings()[k] for k in CA_STATE}
+            elif event == "L":
+                context.__exit__(None, None, None)
+                depth -= 1
+                if ours_at is not None and ours_at > depth:
+                    ours_at = None  # torch put back what was there before the context
+            elif event == "T":
+                ddp_fusion.config.enabled = True
+                if effects.COMPILED_AUTOGRAD in effects.wanted():  # asked for before: on now
+                    ours_at = depth
+            elif event == "C":
+                compiled_forward_ran()
+                effects.want(effects.DTENSOR_CLONE)
+                ours_at = depth if ours_at is None else ours_at
+            elif event == "R":
+                compiled_autograd.reset()
+                ours_at = None
+            elif event == "F" and ours_at is not None and depth > ours_at:
+                before = settings()
+                with pytest.raises(RuntimeError, match="turn ddp_fusion off after leaving that context"):
+                    ddp_fusion.config.enabled = False
+                assert ddp_fusion.config.enabled and settings() == before
+                refused = True
+            elif event == "F":
+                ddp_fusion.config.enabled = False
+                if depth:  # the user's context is as the user opened it
+                    assert {k: settings()[k] for k in CA_STATE} == users
+        if refused:
+            ddp_fusion.config.enabled = False
+        assert settings() == start
+        passed = True
+    finally:
+        if not passed:  # leave the next test a clean process
+            if depth:
+                context.__exit__(None, None, None)
+            _force(start)
+
+
+def _force(start: dict) -> None:
+    try:
+        ddp_fusion.config.enabled = False
+    except RuntimeError:
+        pass
+    inductor_config.post_grad_custom_post_pass = start["post_grad_custom_post_pass"]
+    torch._C._dynamo.compiled_autograd.set_autograd_compiler(start["compiled autograd's compiler"], False)
+    compiled_autograd.compiled_autograd_enabled = start["compiled_autograd_enabled"]
+    torch._C._set_multithreading_enabled(start["autograd multithreading"])
+    DDP.__init__ = start["DDP.__init__"]
+    DDP._pre_forward = start["DDP._pre_forward"]
+    DDP._get_active_ddp_module = start["DDP._get_active_ddp_module"]
+    _ReplicateState.init = start["_ReplicateState.init"]
+    compiled_autograd.maybe_clone = start["compiled_autograd.maybe_clone"]
 
 
 def test_dtensor_clone_patch_only_while_enabled():

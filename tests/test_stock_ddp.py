@@ -67,6 +67,19 @@ def test_adopted_torch_ddp_takes_its_bucket_arguments_and_group(enabled):
     assert DDP(_net(), bucket_cap_mb=3)._ddp_fusion.reducer.limits == ddp_bucket_limits(3, None)
 
 
+def test_a_number_in_config_bucket_cap_mb_is_every_adopted_ddps_cap(enabled):
+    """``config.bucket_cap_mb = 3`` (``DDP_FUSION_BUCKET_CAP_MB=3``) replaces each torch
+    DDP's own ``bucket_cap_mb`` / ``bucket_cap_mb_list`` (the wrapper keeps its own)."""
+    from ddp_fusion.plan import ddp_bucket_limits
+
+    with ddp_fusion.config.patch(bucket_cap_mb=3):
+        assert DDP(_net(), bucket_cap_mb=25)._ddp_fusion.limits == ddp_bucket_limits(3)
+        assert DDP(_net(), bucket_cap_mb_list=[0.001, 0.002])._ddp_fusion.limits == ddp_bucket_limits(3)
+        wrapper = ddp_fusion.DistributedDataParallel(_net(), bucket_cap_mb=25)
+        assert wrapper._sync.limits == ddp_bucket_limits(25)
+    assert DDP(_net(), bucket_cap_mb=25)._ddp_fusion.limits == ddp_bucket_limits(25)
+
+
 def test_adopted_torch_ddp_holds_no_bucket_memory(enabled):
     """Issue 15: the C++ reducer torch DDP built holds a bucket buffer for every
     gradient; adopted, it is replaced by one over a one-element placeholder (the

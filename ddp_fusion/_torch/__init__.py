@@ -7,13 +7,18 @@
     distributed.py        c10d: the group registry, stores, functional collectives, Join
     tensors.py            fake tensors, DTensor, the autograd engine, pytree
     logs.py               TORCH_LOGS names and artifacts, TORCH_TRACE artifacts
+    patching.py           the one helper every process-wide change goes through, and
+                          its undo (``Patches``; no private torch of its own)
 
 Everything these modules reach is underscore-prefixed upstream and has moved between
-releases. A torch upgrade that breaks ddp_fusion should break here, and at import: each
-module lists what it reaches in ``REQUIRED`` (dotted names), and :func:`check_torch`
-resolves every one when ``ddp_fusion`` is imported. ``tests/test_torch_shim.py`` checks
-that the lists cover every private name the modules use, and that no other module of
-the package touches private torch. Tested: torch 2.13 (``TESTED_TORCH``).
+releases. A torch upgrade that breaks ddp_fusion should break here, at its first use:
+each module lists what it reaches in ``REQUIRED`` (dotted names), and
+:func:`check_torch` resolves every one the first time ddp_fusion is used in the
+process (``config.enabled`` set in code, a model wrapped or adopted, the tagged op
+called, the pass run), not at ``import ddp_fusion``, which stays cheap (torch imports
+it through its entry point at every ``import torch``). ``tests/test_torch_shim.py``
+checks that the lists cover every private name the modules use, and that no other
+module of the package touches private torch. Tested: torch 2.13 (``TESTED_TORCH``).
 """
 
 from __future__ import annotations
@@ -23,16 +28,17 @@ from typing import Any
 
 import torch
 
-from . import compiled_autograd, ddp, distributed, dynamo, inductor, logs, tensors
+from . import compiled_autograd, ddp, distributed, dynamo, inductor, logs, patching, tensors
 
 __all__ = [
-    "check_torch", "compiled_autograd", "ddp", "distributed", "dynamo", "inductor", "logs", "tensors",
+    "check_torch", "compiled_autograd", "ddp", "distributed", "dynamo", "inductor", "logs", "patching",
+    "tensors",
 ]
 
 #: torch versions a full test run has passed with.
 TESTED_TORCH = ("2.13",)
 
-SUBSYSTEMS = (compiled_autograd, ddp, distributed, dynamo, inductor, logs, tensors)
+SUBSYSTEMS = (compiled_autograd, ddp, distributed, dynamo, inductor, logs, patching, tensors)
 
 
 def required() -> tuple[str, ...]:

@@ -3,6 +3,7 @@ inside a block, and the DTensor clone work-around for tracing parameter hooks.""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -10,12 +11,15 @@ from typing import Any
 
 import torch
 
+from . import patching
+
 REQUIRED = (
     "torch._C._dynamo.compiled_autograd.set_autograd_compiler",
     "torch._C._is_multithreading_enabled",
     "torch._C._set_multithreading_enabled",
     "torch._dynamo.compiled_autograd.AutogradCompilerInstance",
     "torch._dynamo.compiled_autograd.compiled_autograd_enabled",
+    "torch._dynamo.compiled_autograd.depth",
     "torch._dynamo.compiled_autograd.maybe_clone",
     "torch._dynamo.compiled_autograd._disable",
 )
@@ -23,57 +27,90 @@ REQUIRED = (
 UNCHECKED: dict[str, str] = {}
 
 
-class Handle:
-    """Compiled autograd switched on by :func:`install`, restorable."""
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """Compiled autograd's process-wide state, as ddp_fusion sets and restores it."""
 
-    def __init__(self, compiler_fn: Callable[..., Any], dynamic: bool) -> None:
-        from torch._dynamo import compiled_autograd
-
-        self._ca = compiled_autograd
-        self.dynamic = dynamic
-        # What torch's own `_enable` context installs, kept so we can tell it is ours.
-        self.factory = functools.partial(compiled_autograd.AutogradCompilerInstance, compiler_fn)
-        self.prior = self._set(self.factory, dynamic)
-        self.prior_multithreading = torch._C._is_multithreading_enabled()
-        torch._C._set_multithreading_enabled(False)  # as torch's `_enable` does
-        compiled_autograd.compiled_autograd_enabled = True
-
-    def _set(self, factory: Any, dynamic: bool) -> tuple[Any, bool]:
-        return torch._C._dynamo.compiled_autograd.set_autograd_compiler(factory, dynamic)
-
-    def current(self) -> Any:
-        """The compiler factory compiled autograd uses now (None: off)."""
-        current = self._set(None, False)
-        self._set(*current)
-        return current[0]
-
-    def restore(self) -> None:
-        """Put back what was there before. Refused (``RuntimeError``) while a compiled
-        autograd context opened later is still open: torch would put ddp_fusion's
-        compiler back when that context closes."""
-        current = self.current()
-        if current is not self.factory and current is not None:
-            raise RuntimeError(
-                "ddp_fusion.config.enabled = False: a compiled-autograd context opened after "
-                "ddp_fusion was enabled is still open (torch would restore ddp_fusion's "
-                "compiler when it closes); turn ddp_fusion off after leaving that context"
-            )
-        if current is self.factory:
-            self._set(*self.prior)
-            self._ca.compiled_autograd_enabled = bool(self.prior[0])
-        else:  # None: torch._dynamo.reset() switched it off meanwhile
-            self._ca.compiled_autograd_enabled = False
-        torch._C._set_multithreading_enabled(self.prior_multithreading)
+    factory: Any
+    """The compiler factory compiled autograd calls (None: off)."""
+    dynamic: bool
+    enabled: bool
+    """``compiled_autograd.compiled_autograd_enabled``, which Dynamo reads."""
+    multithreading: bool
+    """Autograd's multithreading (torch's context turns it off, and so does ddp_fusion)."""
+    depth: int
+    """How many of torch's ``_enable`` contexts are open (read only)."""
 
 
-def install(compiler_fn: Callable[..., Any], dynamic: bool) -> Handle:
-    """Compiled autograd on for every ``backward()`` in the process until the handle's
-    ``restore()``. Unlike torch's ``_enable`` context, it need not be closed in LIFO
-    order with contexts the user opened before it. (If ``torch._dynamo.reset()``
-    switched it off meanwhile, ``restore`` leaves it off.) ``dynamic``: trace backward
-    graphs with dynamic sizes (one graph serves every shape) rather than specialized to
-    the sizes seen (faster code while shapes do not change)."""
-    return Handle(compiler_fn, dynamic)
+def _get() -> _State:
+    from torch._dynamo import compiled_autograd
+
+    factory, dynamic = _set_compiler(None, False)
+    _set_compiler(factory, dynamic)
+    return _State(factory, dynamic, bool(compiled_autograd.compiled_autograd_enabled),
+                  torch._C._is_multithreading_enabled(), compiled_autograd.depth)
+
+
+def _set(state: _State) -> None:
+    from torch._dynamo import compiled_autograd
+
+    _set_compiler(state.factory, state.dynamic)
+    compiled_autograd.compiled_autograd_enabled = state.enabled
+    torch._C._set_multithreading_enabled(state.multithreading)
+
+
+def _set_compiler(factory: Any, dynamic: bool) -> tuple[Any, bool]:
+    return torch._C._dynamo.compiled_autograd.set_autograd_compiler(factory, dynamic)
+
+
+def _whose(current: _State, ours: _State) -> str:
+    """torch's ``_enable`` context saves the compiler (and multithreading) it finds and
+    puts it back when it closes; ``depth`` counts the open ones. So with ours not in
+    place: a context opened after ours is open (deeper than where ours was set) and
+    will put ours back; or the context ours was set in has closed (shallower), which
+    put back what was there before it, ours gone with it. ``compiled_autograd.reset()``
+    (``torch._dynamo.reset()``) clears the compiler where ours was set, and leaves
+    multithreading as ours had it: still ours to restore."""
+    if current.factory is ours.factory:
+        return patching.OURS
+    if current.depth > ours.depth:
+        return patching.COVERED
+    if current.depth == ours.depth and current.factory is None:
+        return patching.OURS
+    return patching.REPLACED
+
+
+STATE = patching.Setting(
+    "compiled autograd (compiler, compiled_autograd_enabled, autograd multithreading)",
+    _get, _set, _whose,
+    refusal="ddp_fusion.config.enabled = False: a compiled-autograd context opened after "
+            "ddp_fusion turned compiled autograd on is still open (torch would restore "
+            "ddp_fusion's compiler when it closes); turn ddp_fusion off after leaving that context",
+)
+"""Compiled autograd's process-wide state, as one setting of :class:`patching.Patches`."""
+
+
+def install(patches: patching.Patches, compiler_fn: Callable[..., Any], dynamic: bool) -> None:
+    """Compiled autograd on for every ``backward()`` in the process, until ``patches``
+    is restored, with autograd's multithreading off (as torch's ``_enable`` context
+    does). Unlike that context, it need not be closed in LIFO order with contexts the
+    user opened before it. Nothing to do while ours is on with the same ``dynamic``, or
+    covered by a context the user opened after it (torch puts ours back when that
+    closes). ``dynamic``: trace backward graphs with dynamic sizes (one graph serves
+    every shape) rather than specialized to the sizes seen (faster code while shapes
+    do not change)."""
+    from torch._dynamo import compiled_autograd
+
+    whose = patches.whose(STATE)
+    if whose == patching.COVERED:
+        return
+    if whose == patching.OURS:
+        ours, now = patches.ours(STATE), _get()
+        if (ours.dynamic == dynamic and now.factory is ours.factory and now.enabled
+                and not now.multithreading):
+            return  # (a reset inside a context opened after ours leaves the flag off)
+    factory = functools.partial(compiled_autograd.AutogradCompilerInstance, compiler_fn)
+    patches.set(STATE, _State(factory, dynamic, True, False, compiled_autograd.depth))
 
 
 def active() -> bool:
@@ -90,28 +127,23 @@ def disabled() -> AbstractContextManager[None]:
     return compiled_autograd._disable()
 
 
-def allow_dtensor_post_accumulate_grad_hooks() -> Callable[[], None]:
-    """Let compiled autograd trace post-accumulate-grad hooks of DTensor parameters.
+def allow_dtensor_post_accumulate_grad_hooks(patches: patching.Patches) -> None:
+    """Let compiled autograd trace post-accumulate-grad hooks of DTensor parameters,
+    until ``patches`` is restored.
 
     Tracing such a hook, compiled autograd copies the parameter with
     ``clone_preserve_strides``, which calls ``as_strided``; DTensor does not implement
     ``as_strided``, so the backward fails (torch 2.13). A DTensor's own
     ``clone()`` keeps its placements and its local shard's strides, which is what that
-    copy is for; every other tensor still goes through torch's function. Returns the
-    function that puts torch's back.
+    copy is for; every other tensor still goes through torch's function.
     """
     from torch._dynamo import compiled_autograd
     from torch.distributed.tensor import DTensor
 
-    original = compiled_autograd.maybe_clone
+    def make(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def maybe_clone(x: torch.Tensor | None) -> torch.Tensor | None:
+            return x.clone() if isinstance(x, DTensor) else original(x)
 
-    def maybe_clone(x: torch.Tensor | None) -> torch.Tensor | None:
-        return x.clone() if isinstance(x, DTensor) else original(x)
+        return maybe_clone
 
-    compiled_autograd.maybe_clone = maybe_clone
-
-    def undo() -> None:
-        if compiled_autograd.maybe_clone is maybe_clone:
-            compiled_autograd.maybe_clone = original
-
-    return undo
+    patches.wrap(patching.attribute(compiled_autograd, "maybe_clone"), make)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import patching
+
 REQUIRED = (
     "torch.distributed._DEFAULT_FIRST_BUCKET_BYTES",
     "torch.distributed._compute_bucket_assignment_by_size",
@@ -56,10 +58,10 @@ def compute_bucket_assignment_by_size(
     return [list(b) for b in indices]
 
 
-def patch_forward(check: Callable[[Any], None]) -> Callable[[], None]:
+def patch_forward(patches: patching.Patches, check: Callable[[Any], None]) -> None:
     """Call ``check(ddp)`` at the start of every forward of a torch DDP that ddp_fusion
     did not adopt (see :func:`adopted_class`), and keep adopted ones away from
-    DDPOptimizer. Returns the function that undoes both.
+    DDPOptimizer, until ``patches`` is restored.
 
     Dynamo wraps the backend of every frame it compiles in DDPOptimizer while
     ``DistributedDataParallel._active_ddp_module`` is set. torch DDP's own forward sets
@@ -67,28 +69,23 @@ def patch_forward(check: Callable[[Any], None]) -> Callable[[], None]:
     ``replicate()``'s forward pre-hook sets it itself before calling the DDP's
     ``_pre_forward``; so ``_get_active_ddp_module()``, which Dynamo reads, answers None
     for an adopted DDP."""
-    original = DDP._pre_forward
-    original_active = DDP.__dict__["_get_active_ddp_module"]
 
-    def _pre_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
-        check(self)
-        return original(self, *inputs, **kwargs)
+    def make_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _pre_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+            check(self)
+            return original(self, *inputs, **kwargs)
 
-    def _get_active_ddp_module(cls: type) -> Any:
-        active = original_active.__get__(None, cls)()
-        return None if active is not None and is_adopted(active) else active
+        return _pre_forward
 
-    active = classmethod(_get_active_ddp_module)
-    DDP._pre_forward = _pre_forward
-    DDP._get_active_ddp_module = active
+    def make_active(original: classmethod) -> classmethod:
+        def _get_active_ddp_module(cls: type) -> Any:
+            active = original.__get__(None, cls)()
+            return None if active is not None and is_adopted(active) else active
 
-    def undo() -> None:
-        if DDP._pre_forward is _pre_forward:
-            DDP._pre_forward = original
-        if DDP.__dict__.get("_get_active_ddp_module") is active:
-            DDP._get_active_ddp_module = original_active
+        return classmethod(_get_active_ddp_module)
 
-    return undo
+    patches.wrap(patching.attribute(DDP, "_pre_forward"), make_pre_forward)
+    patches.wrap(patching.attribute(DDP, "_get_active_ddp_module"), make_active)
 
 
 def uses_cpp_reducer(ddp: Any) -> bool:
@@ -98,48 +95,50 @@ def uses_cpp_reducer(ddp: Any) -> bool:
 
 
 def patch_init(
-    before: Callable[[dict[str, Any]], None], after: Callable[[Any, dict[str, Any]], None]
-) -> Callable[[], None]:
-    """Around torch DDP's ``__init__`` (subclasses' ``super().__init__()`` included):
-    ``before(arguments)`` may refuse the arguments before torch's constructor runs;
-    ``after(ddp, arguments)`` runs right after it. ``arguments`` maps every constructor
-    argument's name to its value (defaults filled in). Also around the composable
-    ``replicate()``'s construction of its DDP, so that :func:`replicated_module` knows
-    the module it replicates. Returns the function that undoes it."""
+    patches: patching.Patches,
+    before: Callable[[dict[str, Any]], None],
+    after: Callable[[Any, dict[str, Any]], None] | None = None,
+    replicate: bool = True,
+) -> None:
+    """Around torch DDP's ``__init__`` (subclasses' ``super().__init__()`` included),
+    until ``patches`` is restored: ``before(arguments)`` may refuse the arguments
+    before torch's constructor runs; ``after(ddp, arguments)`` runs right after it.
+    ``arguments`` maps every constructor argument's name to its value (defaults filled
+    in). With ``replicate``, also around the composable ``replicate()``'s construction
+    of its DDP, so that :func:`replicated_module` knows the module it replicates."""
+
+    def make_init(original: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - replaces DDP's
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = dict(list(bound.arguments.items())[1:])
+            before(arguments)
+            original(self, *args, **kwargs)
+            if after is not None:
+                after(self, arguments)
+
+        return __init__
+
+    patches.wrap(patching.attribute(DDP, "__init__"), make_init)
+    if not replicate:
+        return
     from torch.distributed._composable.replicate import _ReplicateState
 
-    original = DDP.__init__
-    signature = inspect.signature(original)
+    def make_replicate_init(original: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(original)
+        def replicate_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            _replicating.append(self)
+            try:
+                original(self, *args, **kwargs)
+            finally:
+                _replicating.pop()
 
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - replaces DDP's
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(list(bound.arguments.items())[1:])
-        before(arguments)
-        original(self, *args, **kwargs)
-        after(self, arguments)
+        return replicate_init
 
-    original_replicate_init = _ReplicateState.init
-
-    @functools.wraps(original_replicate_init)
-    def replicate_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        _replicating.append(self)
-        try:
-            original_replicate_init(self, *args, **kwargs)
-        finally:
-            _replicating.pop()
-
-    DDP.__init__ = __init__
-    _ReplicateState.init = replicate_init
-
-    def undo() -> None:
-        if DDP.__init__ is __init__:
-            DDP.__init__ = original
-        if _ReplicateState.init is replicate_init:
-            _ReplicateState.init = original_replicate_init
-
-    return undo
+    patches.wrap(patching.attribute(_ReplicateState, "init"), make_replicate_init)
 
 
 # replicate() states whose DDP is being built (innermost last)

@@ -73,6 +73,25 @@ def call_with_example_inputs(fn: Callable[..., None], key: Any, args: Any, kwarg
     comptime(_call_at_trace_time, lambda: fn(key, lambda: (args, kwargs)))
 
 
+def at_trace_time(fn: Callable[[], None]) -> None:
+    """``fn()`` right away when running eagerly; at trace time when traced by
+    torch.compile (through ``torch._dynamo.comptime``: nothing enters the graph, no graph
+    break, and ``fn``'s effects are not replayed at run time). ``fn`` must be a
+    module-level function."""
+    import torch
+
+    if not torch.compiler.is_compiling():
+        fn()
+        return
+    from torch._dynamo.comptime import comptime
+
+    comptime(_call_fn_at_trace_time)
+
+
+def _call_fn_at_trace_time(ctx: Any) -> None:
+    ctx.get_local("fn").as_python_constant()()
+
+
 def _call_at_trace_time(ctx: Any) -> None:
     def inputs() -> tuple[Any, Any]:
         return tuple(_example_of(ctx.get_local(n)._ComptimeVar__variable) for n in ("args", "kwargs"))

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from . import patching
+
 REQUIRED = (
     "torch._inductor.config.post_grad_custom_post_pass",
     "torch._inductor.custom_graph_pass.CustomGraphPass.register",
@@ -32,15 +34,19 @@ def config() -> Any:
     return inductor_config
 
 
-def post_grad_pass() -> Any:
-    """The pass in Inductor's post-grad custom slot (None: empty)."""
-    return config().post_grad_custom_post_pass
+POST_GRAD_SLOT = patching.Setting(
+    "torch._inductor.config.post_grad_custom_post_pass",
+    lambda: config().post_grad_custom_post_pass,
+    lambda graph_pass: setattr(config(), "post_grad_custom_post_pass", graph_pass),
+)
+"""Inductor's post-grad custom slot, which Inductor runs on every graph it compiles after
+its own passes (a ``CustomGraphPass``, or None), as a setting of :class:`patching.Patches`."""
 
 
-def set_post_grad_pass(graph_pass: Any) -> None:
-    """Put ``graph_pass`` (a ``CustomGraphPass``, or None) in Inductor's post-grad
-    custom slot, which Inductor runs on every graph it compiles after its own passes."""
-    config().post_grad_custom_post_pass = graph_pass
+def fill_post_grad_slot(patches: patching.Patches, make: Callable[[Any], Any]) -> None:
+    """Put ``make(the pass in the slot now)`` in Inductor's post-grad custom slot until
+    ``patches`` is restored (nothing to do while ours is there)."""
+    patches.wrap(POST_GRAD_SLOT, make)
 
 
 def without_post_grad_pass() -> Any:

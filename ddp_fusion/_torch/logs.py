@@ -13,43 +13,23 @@ REQUIRED = (
     "torch._logging._internal.register_artifact",
     "torch._logging._internal.LOG_TRACE_HANDLER",
     "torch._logging._internal.trace_log.handlers",
-    "torch._logging._internal.log_registry.log_alias_to_log_qnames",
-    "torch._logging._internal._parse_log_settings",
-    "torch._logging._internal._init_logs",
     "torch._logging.getArtifactLogger",
     "torch._logging.trace_structured",
 )
 
-#: Attributes of objects (not importable names) this module reads, and why that is safe.
-UNCHECKED = {
-    "_parse_log_settings": "its cache_clear(); it is an lru_cache in torch 2.13, and the "
-                           "call is skipped where it is not",
-}
+UNCHECKED: dict[str, str] = {}
 
 
-def register(log_name: str, artifacts: dict[str, tuple[str, bool]]) -> bool:
+def register(log_name: str, artifacts: dict[str, tuple[str, bool]]) -> None:
     """Register ``log_name`` (a logger name and its ``TORCH_LOGS`` setting) and
     ``artifacts`` (name -> (description, off by default)) with torch's logging, so that
-    ``TORCH_LOGS`` accepts them and ``TORCH_LOGS=help`` lists them. Returns whether
-    ``TORCH_LOGS`` had already been parsed (then :func:`reparse` applies it again)."""
+    ``TORCH_LOGS`` accepts them and ``TORCH_LOGS=help`` lists them. Must run before torch
+    parses ``TORCH_LOGS`` (torch's entry point loading does so)."""
     from torch._logging import _internal
 
-    already = log_name in _internal.log_registry.log_alias_to_log_qnames
     _internal.register_log(log_name, log_name)
     for name, (description, off_by_default) in artifacts.items():
         _internal.register_artifact(name, description, visible=True, off_by_default=off_by_default)
-    return already
-
-
-def reparse() -> None:
-    """Apply ``TORCH_LOGS`` again, now that more names are registered (for a process in
-    which ddp_fusion was imported after torch parsed it)."""
-    from torch._logging import _internal
-
-    cache_clear = getattr(_internal._parse_log_settings, "cache_clear", None)
-    if cache_clear is not None:
-        cache_clear()
-    _internal._init_logs()
 
 
 def artifact_logger(module: str, artifact: str) -> logging.Logger:

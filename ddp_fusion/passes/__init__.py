@@ -30,7 +30,7 @@ import dataclasses
 import torch.fx
 from torch.fx.node import map_arg
 
-from .. import _torch, comm_hooks, dump, plan_check
+from .. import _torch, comm_hooks, dump, effects, plan_check
 from ..config import config
 from ..log import log
 from ..ops import ALL_REDUCE_CHECKED
@@ -76,6 +76,7 @@ def fuse_ddp_allreduces(
     Arguments left as None (``max_in_flight_mb``: not given) come from
     ``ddp_fusion.config``. Returns what was done.
     """
+    effects.want(effects.IN_USE)  # called directly under DDP_FUSION=1: the rest of the flag's changes
     algorithm = config.algorithm if algorithm is None else algorithm
     if algorithm not in _FUSERS:
         raise ValueError(f"algorithm must be one of {sorted(_FUSERS)}, got {algorithm!r}")
