@@ -320,12 +320,30 @@ def print_projection(pj: dict[str, Any], cal: dict[str, Any] | None) -> None:
     for row in pj["mfu_sensitivity"]:
         label = "MFU %.0f%% (compute %.1f ms)" % (100 * row["mfu"], row["compute_ms"])
         print(f"{label:<36}{row['gpus']:>6}" + cells(row))
+    print_plan_check(pj)
     print("\n-- DDP bucket cap (first bucket 1 MiB) --")
     print(f"{'cap MiB':>8}{'buckets':>9}{'GPUs':>6}{'step ms':>10}{'exposed ms':>12}{'comm ms':>10}"
           f"{'overlap':>9}")
     for r in pj["bucket_cap_sensitivity"]:
         print(f"{r['cap_mib']:>8}{r['buckets']:>9}{r['gpus']:>6}{r['step_ms']:>10.2f}{r['exposed_ms']:>12.2f}"
               f"{r['comm_ms']:>10.2f}{r['overlap_pct']:>8.0f}%")
+
+
+def print_plan_check(pj: dict[str, Any]) -> None:
+    """ddp_fusion's per-step plan check, before (an all-gather of one int64 per rank on the
+    model's group, read on the host) and now (the host group's max: O(log N) rounds on
+    the CPU), beside eager DDP's own per-step fixed cost."""
+    print("\n-- per-step plan check vs eager DDP's fixed cost (GPT-2 small, DDP's default caps) --")
+    print("before: NCCL ring all-gather of 8 B per rank (LL protocol latency), then a device sync\n"
+          "now: host group max, rounds x host_round (x4: a slower host network), on its own thread,\n"
+          "hidden while it takes less than the backward before the first bucket\n"
+          "eager DDP: the latency of its bucket all-reduces (ddp_fusion issues the same buckets)")
+    print(f"{'GPUs':>6}{'before ms':>11}{'rounds':>8}{'now ms':>8}{'now x4 ms':>11}{'eager DDP ms':>14}"
+          f"{'1st bucket ms':>15}")
+    slow = {r["gpus"]: r for r in pj["plan_check_host_round_x4"]}
+    for r in pj["plan_check"]:
+        print(f"{r['gpus']:>6}{r['old_allgather_ms']:>11.3f}{r['new_rounds']:>8}{r['new_ms']:>8.2f}"
+              f"{slow[r['gpus']]['new_ms']:>11.2f}{r['eager_ddp_fixed_ms']:>14.2f}{r['first_bucket_ms']:>15.2f}")
 
 
 # =========================================================================== main

@@ -1,19 +1,21 @@
 """Per-step cost of the cross-rank plan check (``ddp_fusion::plan_guard``).
 
 Each fused backward graph has one plan check per process group: ``plan_check_start``
-at graph start issues an async all-gather of one int64 per rank, and ``plan_guard``,
-before the group's first bucket, waits for it and compares on the host. This times the
-pair back to back on 2 local gloo ranks (so nothing hides the collective), next to a
-bare all-gather of the same size, and prints microseconds per call (median and max over
-rounds of the slower rank's mean).
+at graph start starts the max of (h, -h) of the plan's hash over the host group
+(ddp_fusion/host_group.py: gloo, CPU tensors, recursive doubling on its own thread), and
+``plan_guard``, before the group's first bucket, collects it. This times the pair back to
+back on local gloo ranks (so nothing hides the exchange), next to the bare exchange and
+to the all-gather of one int64 per rank that the check used before, and prints
+microseconds per call (median and max over rounds of the slower rank's mean). With
+``--world-size 4`` the exchange takes two rounds instead of one (on 2 cores the four
+ranks share them: an upper bound).
 
 Then, in the same run, the step time of a fused, compiled MLP (the demo's: 8 x
 Linear(512, 512), batch 64) with the check and with its exchange patched out
-(``ddp_fusion.plan_check.has_peers`` false), alternating per round on the same compiled
-model, so the check's share of a step shows. The rank functions are in
-bench/_lib/probes.py.
+(no host group), alternating per round on the same compiled model, so the check's share
+of a step shows. The rank functions are in bench/_lib/probes.py.
 
-    python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20]
+    python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20] [--world-size 2]
 """
 
 from __future__ import annotations
@@ -32,14 +34,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round and mode")
+    parser.add_argument("--world-size", type=int, default=2, choices=(2, 4))
+    parser.add_argument("--no-step", action="store_true", help="only the calls, not the MLP step")
     args = parser.parse_args(argv)
-    print(f"torch {torch.__version__}, 2 gloo ranks, {args.rounds} rounds x {args.calls} calls", flush=True)
-    results = run_ranks(probes.plan_check_calls, world_size=2, args=(args.calls, args.rounds),
-                        threads_per_rank=1)
+    print(f"torch {torch.__version__}, {args.world_size} gloo ranks, {args.rounds} rounds x "
+          f"{args.calls} calls", flush=True)
+    results = run_ranks(probes.plan_check_calls, world_size=args.world_size,
+                        args=(args.calls, args.rounds), threads_per_rank=1)
     print(f"\n{'what':<46}{'median us':>11}{'max us':>9}")
     for mode in results[0]:
         per_round = [max(r[mode][i] for r in results) for i in range(args.rounds)]
         print(f"{mode:<46}{statistics.median(per_round):>11.1f}{max(per_round):>9.1f}")
+    if args.no_step:
+        return
     print(f"\nfused MLP step (8 x Linear(512, 512), batch 64), median of {args.steps} steps per "
           "round, slower rank", flush=True)
     steps = run_ranks(probes.plan_check_step, world_size=2, args=(args.rounds, args.steps), timeout=1200)

@@ -112,3 +112,19 @@ def test_replay_waits_for_the_later_rank_and_the_channel():
 def test_replay_hides_communication_that_ends_before_its_wait():
     ranks = [_view([1.0], [(5.0, 0)], 6.0)] * 2
     assert replay.simulate(ranks, lambda n: 2.0)["pred_ms"] == 6.0
+
+
+def test_the_old_plan_checks_all_gather_grows_with_the_ranks():
+    prm = projection.values()
+    # one node: 6.6 us + 7 NVLink steps * 0.6 us (LL)
+    assert projection.nccl_allgather_latency_s(8, prm) == pytest.approx(10.8e-6)
+    # two nodes: 14 intra steps at the 1 us network overhead, 1 inter-node step at 2.7 us
+    assert projection.nccl_allgather_latency_s(16, prm) == pytest.approx(6.6e-6 + 14e-6 + 2.7e-6)
+    assert projection.nccl_allgather_latency_s(1, prm) == 0.0
+
+
+def test_the_host_groups_exchange_takes_log_n_rounds():
+    assert [projection.host_exchange_rounds(p) for p in (1, 2, 3, 4, 6, 8, 8192)] == [0, 1, 3, 2, 4, 3, 13]
+    rows = {r["gpus"]: r for r in projection.plan_check_costs(host_round=100e-6)}
+    assert rows[8192]["new_ms"] == pytest.approx(1.3)
+    assert rows[8192]["old_allgather_ms"] > 100 * rows[8]["old_allgather_ms"]

@@ -1,8 +1,9 @@
 """Rank functions of the small one-question commands.
 
 * :func:`plan_check_calls`, :func:`plan_check_step` (``bench.plan_check``): the per-step
-  cross-rank plan check (``plan_check_start`` + ``plan_guard``) back to back next to a
-  bare all-gather of the same size; the demo MLP's fused step with and without it;
+  cross-rank plan check (``plan_check_start`` + ``plan_guard``) back to back, next to its
+  bare exchange on the host group and to the all-gather of one int64 per rank the check
+  used before; the demo MLP's fused step with and without it;
 * :func:`powersgd_trial` (``bench.hook_order``): PowerSGD on several buckets, eager torch
   DDP or ddp_fusion.
 """
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddp_fusion
-from ddp_fusion import plan_check
+from ddp_fusion import host_group, plan_check
 from ddp_fusion.plan import BucketPlan, PlannedBucket
 
 
@@ -33,16 +34,20 @@ def _time(fn: Callable[[], object], calls: int) -> float:
 
 
 def plan_check_calls(rank: int, world_size: int, calls: int, rounds: int) -> dict[str, list[float]]:
-    """Microseconds per call, per round: a bare all-gather of one int64 per rank, and
-    ``plan_check_start`` + ``plan_guard`` of a one-bucket plan."""
+    """Microseconds per call, per round: a bare all-gather of one int64 per rank (the
+    check's collective before), the host group's max of two int64 (the check's exchange
+    now), and ``plan_check_start`` + ``plan_guard`` of a one-bucket plan."""
     group = dist.group.WORLD
     name = group.group_name
     bucket = PlannedBucket(name, torch.float32, "cpu", "avg", "concat", ("w",), (1024,))
     text = BucketPlan("concat", (bucket,)).to_json()
     cpu = torch.device("cpu")
-    one, everyone = torch.zeros(1, dtype=torch.int64), torch.zeros(world_size, dtype=torch.int64)
+    one = torch.zeros(1, dtype=torch.int64, device="cpu")
+    everyone = torch.zeros(world_size, dtype=torch.int64, device="cpu")
+    host = host_group.of(group)
     modes = {
-        "bare all_gather of 1 int64 per rank": lambda: dist.all_gather_into_tensor(everyone, one),
+        "all_gather of 1 int64 per rank (before)": lambda: dist.all_gather_into_tensor(everyone, one),
+        "host group max of 2 int64 (the exchange now)": lambda: host.max([rank, -rank]),
         "plan_check_start + plan_guard, back to back": lambda: plan_check.PLAN_GUARD(
             plan_check.PLAN_CHECK_START(name, text, cpu), name, text, "avg", cpu),
     }
@@ -63,12 +68,12 @@ def _demo_mlp(width: int = 512, depth: int = 8) -> nn.Module:
 
 def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
     """Median step ms per round of the demo MLP, fused and compiled, with the plan check
-    and with its exchange patched out (``plan_check.has_peers`` false: no all-gather,
-    no comparison), alternating per round on the same compiled model."""
+    and with its exchange patched out (no host group: no exchange, no comparison),
+    alternating per round on the same compiled model."""
     with ddp_fusion.config.patch(enabled=True):
         model = torch.compile(ddp_fusion.DistributedDataParallel(_demo_mlp()))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x = torch.randn(64, 512)
+        x = torch.randn(64, 512, device="cpu")
 
         def step() -> None:
             opt.zero_grad(set_to_none=False)
@@ -81,7 +86,7 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
         for _ in range(rounds):
             for mode in out:
                 patch = (contextlib.nullcontext() if mode == "with check"
-                         else unittest.mock.patch.object(plan_check, "has_peers", lambda group: False))
+                         else unittest.mock.patch.object(host_group, "of", lambda group: None))
                 with patch:
                     times = []
                     for _ in range(steps):

@@ -42,11 +42,26 @@ PARAMS: dict[str, dict[str, Any]] = {
                         "source": "NCCL 2.20.3 tuning.cc hwLat[NVLink][Tree][Simple]"},
     "tree_net_lat": {"value": 28e-6, "unit": "s per tree level",
                      "source": "NCCL 2.20.3 tuning.cc hwLat[Net][Tree][Simple]"},
+    "ring_ll_base_lat": {"value": 6.6e-6, "unit": "s per collective",
+                         "source": "NCCL tuning.cc (the same table) baseLat[Ring][LL]: the "
+                                   "protocol of tiny messages"},
+    "ring_ll_nvlink_lat": {"value": 0.6e-6, "unit": "s per ring step",
+                           "source": "NCCL tuning.cc hwLat[NVLink][Ring][LL]"},
+    "ring_ll_net_lat": {"value": 2.7e-6, "unit": "s per inter-node ring step",
+                        "source": "NCCL tuning.cc hwLat[Net][Ring][LL]"},
+    "net_overhead": {"value": 1.0e-6, "unit": "s per ring step, with several nodes",
+                     "source": "NCCL tuning.cc getNetOverhead (x86 Intel; AMD 2 us): the floor "
+                               "of an intra-node step once a ring spans nodes"},
     "peak_bf16": {"value": 989e12, "unit": "FLOP/s",
                   "source": "NVIDIA H100 datasheet: H100 SXM BF16 Tensor Core 1,979 TFLOPS with "
                             "sparsity, i.e. 989 dense"},
     "hbm_bw": {"value": 3.35e12, "unit": "B/s",
                "source": "NVIDIA H100 datasheet: H100 SXM 3.35 TB/s HBM3"},
+    "host_round": {"value": 60e-6, "unit": "s per round of a host-side exchange",
+                   "source": "ASSUMPTION: one gloo TCP message between two hosts plus ddp_fusion's "
+                             "Python per round (this machine's loopback measures the Python and "
+                             "gloo part: bench/results/plan_check_scale_cpu_2026-11-25.md); "
+                             "sensitivity shown"},
     "mfu": {"value": 0.40, "unit": "fraction of peak_bf16",
             "source": "ASSUMPTION (typical well-tuned GPT training; sensitivity shown)"},
     "tokens_per_gpu": {"value": 8 * 1024, "unit": "tokens per step per GPU",
@@ -121,6 +136,60 @@ def nccl_allreduce_s(nbytes: float, p: int, prm: dict[str, float], lat_scale: fl
                                        math.log2(nodes) * prm["tree_net_lat"])
     ring, tree = ring * lat_scale, tree * lat_scale
     return (ring + bw, "ring") if ring <= tree else (tree + bw, "tree")
+
+
+def nccl_allgather_latency_s(p: int, prm: dict[str, float]) -> float:
+    """The latency of NCCL's ring all-gather of a tiny message (what the old per-step plan
+    check issued: one int64 per rank; the LL protocol), as NCCL's tuning.cc counts it:
+    base + (p - 1) steps, ``nodes - 1`` of them inter-node, the others at least the
+    network overhead once the ring spans nodes. There is no tree for all-gather."""
+    if p <= 1:
+        return 0.0
+    nodes = max(1, math.ceil(p / prm["gpus_per_node"]))
+    intra = prm["ring_ll_nvlink_lat"] if nodes == 1 else max(prm["ring_ll_nvlink_lat"], prm["net_overhead"])
+    inter = nodes - 1
+    return prm["ring_ll_base_lat"] + (p - 1 - inter) * intra + inter * prm["ring_ll_net_lat"]
+
+
+def host_exchange_rounds(p: int) -> int:
+    """Rounds of the host group's max (host_group.py: recursive doubling, the ranks above
+    the largest power of two folded in first and out last)."""
+    if p <= 1:
+        return 0
+    low = 1 << (p.bit_length() - 1)
+    return (low.bit_length() - 1) + (0 if low == p else 2)
+
+
+PLAN_CHECK_GPUS = (8, 64, 512, 1024, 4096, 8192)
+
+
+def plan_check_costs(prm: dict[str, float] | None = None, gpus: tuple[int, ...] = PLAN_CHECK_GPUS,
+                     host_round: float | None = None) -> list[dict[str, Any]]:
+    """Per GPU count, the per-step fixed costs (ms): ddp_fusion's plan check before
+    (NCCL ring all-gather of one int64 per rank, read on the host: a device sync) and
+    now (the host group's max: ``rounds * host_round``, on its own thread, no device
+    involved), beside eager DDP's own per-step fixed cost (the latency of its bucket
+    all-reduces on GPT-2 small at DDP's default caps), and the backward time before
+    the first bucket is issued, which hides the new check."""
+    prm = prm or values()
+    host_round = prm["host_round"] if host_round is None else host_round
+    grads = gpt2_small_grads()
+    buckets = ddp_buckets(grads)
+    compute = 6 * sum(n for _, n, _ in grads) * prm["tokens_per_gpu"] / (prm["mfu"] * prm["peak_bf16"])
+    first_bucket_s = buckets[0][1] * 2 * compute / 3
+    rows = []
+    for p in gpus:
+        rounds = host_exchange_rounds(p)
+        rows.append({
+            "gpus": p,
+            "old_allgather_ms": 1e3 * nccl_allgather_latency_s(p, prm),
+            "new_rounds": rounds,
+            "new_ms": 1e3 * rounds * host_round,
+            "eager_ddp_fixed_ms": 1e3 * len(buckets) * nccl_allreduce_s(0, p, prm)[0],
+            "buckets": len(buckets),
+            "first_bucket_ms": 1e3 * first_bucket_s,
+        })
+    return rows
 
 
 def project_one(msgs: list[Msg], p: int, prm: dict[str, float], fwd: float, bwd: float,
@@ -198,6 +267,8 @@ def projection(mfu: float | None = None) -> dict[str, Any]:
         "params": PARAMS, "tables": {k: {str(p): v for p, v in t.items()} for k, t in tables.items()},
         "latency_bandwidth_sensitivity": sens, "mfu_sensitivity": mfu_sens,
         "bucket_cap_sensitivity": cap_sens,
+        "plan_check": plan_check_costs(prm),
+        "plan_check_host_round_x4": plan_check_costs(prm, host_round=4 * prm["host_round"]),
         "allreduce_examples": [
             {"gpus": p, "bytes": n, "ms": 1e3 * nccl_allreduce_s(n, p, prm)[0],
              "algo": nccl_allreduce_s(n, p, prm)[1]}
