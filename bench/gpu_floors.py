@@ -1,7 +1,7 @@
 """One GPU at world size 1 (NCCL): ddp_fusion's CUDA path, and compiled-autograd
 backward against torch.compile's AOT backward.
 
-    python -m bench.gpu_floors OUT.json [mlp] [gpt] [--small | --cpu-size] [--floors-only]
+    python -m bench.gpu_floors OUT.json [mlp] [gpt] [--small | --cpu-size] [--floors-only] [--memory]
 
 For each model (sized for a GPU: MLP 24 x 1024, batch 256; GPT d=768, 6 layers, seq 256,
 batch 8), in one process:
@@ -9,9 +9,13 @@ batch 8), in one process:
 * compute floors, forward and backward timed apart (CUDA-synchronised, median of 50):
   eager; ``torch.compile`` (AOT backward); ``torch.compile`` + compiled autograd with
   static sizes (what ddp_fusion uses while shapes are stable) and with dynamic sizes;
-* step time of eager torch DDP, DDPOptimizer and ddp_fusion (concat, coalesced);
+* step time of eager torch DDP, DDPOptimizer and ddp_fusion (concat, coalesced, and
+  concat with ``mode="reduce-overhead"``: CUDA graphs, forward and backward);
 * gradients after one step of ddp_fusion against eager torch DDP (world size 1: the
-  average is the local gradient).
+  average is the local gradient);
+* with ``--memory`` (CUDA only): ``torch.cuda.max_memory_allocated`` over one steady
+  step, and what is held before it, of eager torch DDP with ``gradient_as_bucket_view``
+  and of ddp_fusion, with ``zero_grad(set_to_none=True)`` and ``False``.
 
 At world size 1 NCCL moves nothing: this measures compute and the cost of the fused
 graph, not communication. It runs on the lent GPU machine's own torch (2.11 there),
@@ -62,7 +66,9 @@ SMALL = {
     "mlp": dict(width=64, depth=4, batch=16),
 }
 FLOORS = ("eager", "aot", "ca_static", "ca_dynamic")
-MODES = ("eager_ddp", "ddp_optimizer", "ddp_fusion_concat", "ddp_fusion_coalesced")
+MODES = ("eager_ddp", "ddp_optimizer", "ddp_fusion_concat", "ddp_fusion_coalesced",
+         "ddp_fusion_concat_reduce_overhead")
+MEMORY_MODES = ("eager_ddp_gbav", "ddp_fusion_concat")
 
 
 def _init() -> torch.device:
@@ -149,13 +155,47 @@ class Bench:
         return out
 
     def wrap(self, mode: str, net: nn.Module) -> nn.Module:
-        if mode == "eager_ddp":
-            return nn.parallel.DistributedDataParallel(net)
+        if mode in ("eager_ddp", "eager_ddp_gbav"):
+            return nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=mode == "eager_ddp_gbav")
         if mode == "ddp_optimizer":
             return torch.compile(nn.parallel.DistributedDataParallel(net))
         ddp_fusion.config.enabled = True
+        if mode.endswith("_reduce_overhead"):  # CUDA graphs, forward and backward
+            ddp_fusion.config.algorithm = mode.removeprefix("ddp_fusion_").removesuffix("_reduce_overhead")
+            ddp_fusion.config.backward_compile_kwargs = {"mode": "reduce-overhead"}
+            return torch.compile(ddp_fusion.DistributedDataParallel(net), mode="reduce-overhead")
         ddp_fusion.config.algorithm = mode.removeprefix("ddp_fusion_")
         return torch.compile(ddp_fusion.DistributedDataParallel(net))
+
+    def memory(self, name: str) -> dict[str, Any]:
+        """Peak CUDA memory over one steady step (after 3), and what is held before it."""
+        out = {}
+        for mode in MEMORY_MODES:
+            for set_to_none in (True, False):
+                torch.compiler.reset()
+                net = self.make(name)
+                try:
+                    model = self.wrap(mode, net)
+                    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+                    batches = self.batches(name, 4)
+
+                    for i, (x, y) in enumerate(batches):
+                        if i == 3:  # the steady step measured
+                            self.sync()
+                            torch.cuda.reset_peak_memory_stats()
+                            held = torch.cuda.memory_allocated()
+                        opt.zero_grad(set_to_none=set_to_none)
+                        loss_of(name, model(x), y).backward()
+                        opt.step()
+                    self.sync()
+                    out[f"{mode}, set_to_none={set_to_none}"] = {
+                        "held_mb": held / 1e6, "peak_mb": torch.cuda.max_memory_allocated() / 1e6}
+                finally:
+                    ddp_fusion.config.enabled = False
+                    ddp_fusion.config.backward_compile_kwargs = {}
+                print(name, mode, set_to_none, json.dumps(out[f"{mode}, set_to_none={set_to_none}"]),
+                      flush=True)
+        return out
 
     def train(self, name: str, mode: str, steps: int = 8) -> dict[str, Any]:
         """Median step time of one data-parallel mode."""
@@ -187,6 +227,7 @@ class Bench:
                     "param_sum": float(sum(p.detach().double().sum() for p in net.parameters()))}
         finally:
             ddp_fusion.config.enabled = False
+            ddp_fusion.config.backward_compile_kwargs = {}
 
     def first_grads(self, name: str, mode: str) -> list[torch.Tensor]:
         """Gradients after one step (world size 1: the average is the local gradient)."""
@@ -224,6 +265,7 @@ def _record(results: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
 def main() -> None:
     out_path, args = sys.argv[1], sys.argv[2:]
     small, cpu_size, floors_only = "--small" in args, "--cpu-size" in args, "--floors-only" in args
+    with_memory = "--memory" in args
     dev = _init()
     bench = Bench(SMALL if small else CPU_SIZE if cpu_size else SPECS, dev, reps=5 if small else 50)
     results: dict[str, Any] = {
@@ -251,6 +293,8 @@ def main() -> None:
                     float((a - b).abs().max()) for a, b in zip(ref, got))
 
         _record(results, f"{name}_grads", grad_diffs)
+        if with_memory and dev.type == "cuda":
+            _record(results, f"{name}_memory", lambda name=name: bench.memory(name))
         print(name, "grad diffs", results.get(f"{name}_grad_maxdiff_concat"),
               results.get(f"{name}_grad_maxdiff_coalesced"), flush=True)
         with open(out_path, "w") as f:

@@ -106,7 +106,11 @@ def lazy_gloo_group(prefix: str, rank: int, size: int, timeout: Any) -> Any:
     ``destroy_process_group`` does not know it, and it goes when it is garbage."""
     store = dist.PrefixStore(prefix, default_store())
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+    try:
+        device = dist.ProcessGroupGloo.create_default_device(lazy_init=True)
+    except TypeError:  # a torch without lazy gloo devices: every pair connects now
+        device = dist.ProcessGroupGloo.create_default_device()
+    options._devices = [device]
     options._timeout = timeout
     options._threads = 1
     return dist.ProcessGroupGloo(store, rank, size, options)
