@@ -78,6 +78,9 @@ class SyncState:
     no ddp_fusion in it)."""
     holds_compiled_code: bool | None = None
     """Whether the module calls compiled submodules (checked at the first eager forward)."""
+    grad_kept: list[bool] = dataclasses.field(default_factory=list)
+    """Per parameter, in this backward: whether its ``.grad`` existed before the
+    gradient was accumulated into it (set by a pre-hook)."""
 
 
 def _make_hook(
@@ -101,15 +104,30 @@ def _make_hook(
             reduced = ALL_REDUCE_GRADIENT(
                 grad, group_name, state.reduce_op, limits, name, state.comm_dtype, ready, model_id
             )
-            # The reduced gradient becomes .grad (fused: a view of its bucket's
-            # buffer), rather than being copied into the old one: no copy back.
-            param.grad = _torch.tensors.as_like(param.grad, reduced)
+            if state.grad_kept[index]:
+                # .grad was there before this backward (zero_grad(set_to_none=False),
+                # accumulation): it stays the same tensor and holds the reduced
+                # gradient, as under torch DDP; code that kept it sees the update.
+                grad.copy_(reduced)
+            else:
+                # A new .grad: the reduced gradient becomes it (fused: a view of its
+                # bucket's buffer); nothing to copy back.
+                param.grad = _torch.tensors.as_like(param.grad, reduced)
             return
         if config.enabled and (state.compiled or state.compiled_while_disabled or not state.forwarded):
             _warn_unfused(state)
         reducer.grad_ready(index)
 
     return reduce_grad
+
+
+def _make_pre_hook(state: SyncState, index: int, param: torch.Tensor):
+    def note_kept(grad: torch.Tensor) -> None:
+        # before the gradient is accumulated: does .grad exist already? (traced by
+        # compiled autograd, a constant Dynamo guards on)
+        state.grad_kept[index] = param.grad is not None
+
+    return note_kept
 
 
 def _warn_unfused(state: SyncState) -> None:
@@ -441,6 +459,9 @@ class GradSync:
             )
             for i, (n, p) in enumerate(params)
         ]
+        self.state.grad_kept = [False] * len(params)
+        self.handles += [p.register_hook(_make_pre_hook(self.state, i, p))
+                         for i, (_, p) in enumerate(params)]
         me = weakref.ref(model)
         for _, p in params:
             _models[p] = me

@@ -73,3 +73,55 @@ def grads_as_bucket_views(rank, world_size, cap=0.03, steps=4):
             },
         }
     return out
+
+
+def _train_kept_grads(model, batches, lr=0.05, keep_after=2):
+    """SGD by hand from the ``.grad`` tensors kept after step ``keep_after``, as
+    flat-buffer and fused optimizers do (``zero_grad(set_to_none=False)``): each later
+    step must find the reduced gradient in those same tensors. (Not after step 1:
+    torch DDP itself rebuilds its buckets at step 2, and with
+    ``gradient_as_bucket_view=True`` its ``.grad`` then move into the new buckets.)"""
+    params = list(model.parameters())
+    kept = None
+    for step, x in enumerate(batches, 1):
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        model(x).square().mean().backward()
+        if step == keep_after:
+            kept = [p.grad for p in params]
+        with torch.no_grad():
+            for p, g in zip(params, kept or [p.grad for p in params]):
+                p.sub_(lr * g)
+    same = all(p.grad is g for p, g in zip(params, kept))
+    return [p.detach().clone() for p in params], same
+
+
+def kept_grads(rank, world_size, cap=0.03, steps=6):
+    """The held-out probe of issue 32 on every path: parameters after ``steps`` steps
+    taken from the ``.grad`` tensors kept after step 1, against eager torch DDP, for
+    ``gradient_as_bucket_view`` off and on, compiled and not. Also whether ``.grad``
+    stayed the same object."""
+    base = mlp(bias=True)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
+    out = {}
+    for gbav in (False, True):
+        ref = torch.nn.parallel.DistributedDataParallel(
+            copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav)
+        want, _ = _train_kept_grads(ref, batches)
+        eager = ddp_fusion.DistributedDataParallel(
+            copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav)
+        got_eager, same_eager = _train_kept_grads(eager, batches)
+        torch._dynamo.reset()
+        with ddp_fusion.config.patch(enabled=True):
+            ddp = ddp_fusion.DistributedDataParallel(
+                copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav)
+            got, same = _train_kept_grads(torch.compile(ddp), batches)
+        out[gbav] = {
+            "uncompiled": _max_diff(got_eager, want), "uncompiled_same": same_eager,
+            "compiled": _max_diff(got, want), "compiled_same": same,
+            "moved": _max_diff(want, [p.detach() for p in base.parameters()]),
+            "params": [p.tolist() for p in got],
+        }
+    return out

@@ -190,8 +190,10 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
     the size of the bucket: the scaled gradients are written into it (the one copy),
     the all-reduce runs in place on it, and after its wait no kernel reads it: the
     graph returns views of it, which become the gradients (nothing is copied back).
-    With ``.grad`` already set (``zero_grad(set_to_none=False)``), accumulating into the
-    old ``.grad`` is autograd's own write, as in eager."""
+    Issue 32: with ``.grad`` already set (``zero_grad(set_to_none=False)``), ``.grad``
+    stays the same tensor, as under torch DDP: after its wait, one kernel copies the
+    reduced bucket back into the old ``.grad``s (the accumulation into them is fused
+    into the copy into the bucket), and the graph returns them."""
     import re
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -200,9 +202,11 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
     if grads_before == "zeros":
         for p in net.parameters():
             p.grad = torch.zeros_like(p)
+    kept = [p.grad for p in net.parameters()]
     with ddp_fusion.config.patch(enabled=True):
         model = torch.compile(ddp_fusion.DistributedDataParallel(net, bucket_cap_mb=0.015))
         model(torch.randn(16, 32)).square().sum().backward()
+    assert [p.grad is g for p, g in zip(net.parameters(), kept)] == [grads_before == "zeros"] * 6
     (code,) = [p.read_text() for p in tmp_path.rglob("*.py") if "all_reduce_" in p.read_text()]
     call = code.split("def call(")[1]
     buckets = re.findall(r"all_reduce_\.default\((buf\d+), 'sum'", call)
@@ -216,7 +220,11 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
         after_wait = call.split(f"wait_tensor.default({buf})")[1]
         readers = [line for line in after_wait.splitlines()
                    if re.search(rf"\b{buf}\b", line) and not line.strip().startswith(("del ", "return "))]
-        assert readers == [], readers  # no copy back
-        assert re.search(rf"return \(.*reinterpret_tensor\({buf},", after_wait)
+        if grads_before == "none":
+            assert readers == [], readers  # no copy back
+            assert re.search(rf"return \(.*reinterpret_tensor\({buf},", after_wait)
+        else:  # one copy back into the kept .grad tensors, then the buffer is freed
+            assert len(readers) == 1 and readers[0].strip().startswith("cpp_fused_copy_"), readers
+            assert not re.search(rf"return \(.*\b{buf}\b", after_wait)
     # buckets [4.b, 4.w, 2.b, 2.w] and [0.b, 0.w] (see grads_after_steps)
     assert sorted(numels) == [64 + 32 * 64, 8 + 64 * 8 + 64 + 64 * 64]

@@ -1,14 +1,16 @@
-"""Issue 15 on 2 gloo ranks: where the reduced gradients live. Compiled and fused, each
-bucket's reduced buffer *is* the storage of its parameters' ``.grad`` (nothing copied
-back); uncompiled with ``gradient_as_bucket_view=True``, ``.grad`` are views of the
-eager reducer's persistent buckets, as in torch DDP. Both against torch DDP with
-``gradient_as_bucket_view=True``, with ``zero_grad(set_to_none=True)`` and ``False``."""
+"""Issues 15 and 32 on 2 gloo ranks: where the reduced gradients live. Compiled and
+fused, a new ``.grad`` is a view of its bucket's reduced buffer (nothing copied back); a
+``.grad`` kept from the step before stays the same tensor and gets the reduced gradient
+(copied back, as torch DDP without ``gradient_as_bucket_view``); uncompiled with
+``gradient_as_bucket_view=True``, ``.grad`` are views of the eager reducer's persistent
+buckets, as in torch DDP. Against torch DDP, with ``zero_grad(set_to_none=True)`` and
+``False``."""
 
 import pytest
 
 from ddp_fusion.launch import run_ranks
 
-from _workers_memory import grads_as_bucket_views
+from _workers_memory import grads_as_bucket_views, kept_grads
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +36,24 @@ def test_compiled_grads_are_views_of_the_reduced_buckets(results, set_to_none):
         # one storage per bucket: the reduced buffer, not one copy per parameter
         assert got["compiled"]["storages"] == got["torch_buckets"] > 1, got
         assert got["compiled"]["contiguous"], got
+
+
+@pytest.fixture(scope="module")
+def kept():
+    return run_ranks(kept_grads, world_size=2, timeout=900)
+
+
+@pytest.mark.parametrize("gbav", [False, True])
+def test_kept_grads_hold_the_reduced_gradient(kept, gbav):
+    """Issue 32: code that keeps the ``.grad`` tensors (flat-buffer and fused optimizers,
+    ``zero_grad(set_to_none=False)``) and steps from them trains as under torch DDP,
+    compiled too: ``.grad`` stays the same tensor and holds the reduced gradient. (Before,
+    compiled ``.grad`` became a new tensor each step, the kept ones held this rank's
+    local gradient, and the ranks drifted apart silently.)"""
+    for r in kept:
+        got = r[gbav]
+        # the parameters move ~1.5e-3; a step from an unreduced gradient is off by ~1e-3
+        assert got["moved"] > 1e-3, got
+        assert got["uncompiled"] < 1e-6 and got["compiled"] < 1e-6, got
+        assert got["compiled_same"], got
+    assert kept[0][gbav]["params"] == kept[1][gbav]["params"]
