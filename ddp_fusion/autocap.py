@@ -22,8 +22,10 @@ out how a transfer and the backward slow each other down when they share the hos
 CPU with few cores, moving the bytes competes with backward for the cores), so it is
 used cautiously: among the plans whose cost is within :data:`NEAR` of the best, the one
 with the fewest buckets wins, and DDP's default stays unless that plan costs less by
-more than :data:`MARGIN` of the backward. Caps above ``config.max_in_flight_mb`` are not
-considered. Group rank 0's choice is broadcast, so
+more than :data:`MARGIN` of the backward. Candidate caps above
+``config.max_in_flight_mb`` are not considered; DDP's default stays the fallback
+whatever the budget (with a budget below a bucket, the pass waits for each earlier
+bucket before issuing the next). Group rank 0's choice is broadcast, so
 every rank runs the same plan (which the plan check verifies); it is made once per
 model and holds for every graph the model compiles. It is logged at INFO with the
 measured ``alpha``, ``beta`` and backward time and the predicted exposed communication

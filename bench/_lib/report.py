@@ -75,11 +75,15 @@ def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: s
       bound), and by ``copy_`` nodes whose source is a collective's result;
     * eager copies: ``aten::copy_`` / ``aten::cat`` calls not inside another aten op
       (torch DDP's reducer, gloo flattening a coalesced all-reduce);
-    * held: bytes kept between steps; peak: held + the most allocated during the step.
+    * held: bytes kept between steps; peak: held + the most allocated during the step
+      (torch's profiler, this thread); peak, RSS (CPU): held + the rise of the resident
+      set in one more step, which sees every thread (``profiling.rss_rise``).
     """
     cuda = device == "cuda"
+    rss = any("rss_peak_bytes" in j["profile"][0] for j in _rows(model, jobs, cap) if "profile" in j)
     head = (f"{'mode':<38}{'all-reduces':>12}{'MB on wire':>12}{'MB copy in':>11}{'MB copy back':>13}"
-            f"{'MB eager copies':>17}{'held MB':>9}{'peak MB':>9}" + (f"{'kernels':>9}" if cuda else ""))
+            f"{'MB eager copies':>17}{'held MB':>9}{'peak MB':>9}" + (f"{'kernels':>9}" if cuda else "")
+            + (f"{'peak MB, RSS':>13}" if rss else ""))
     lines = [head, "-" * len(head)]
     for j in _rows(model, jobs, cap):
         if "profile" not in j:
@@ -97,7 +101,8 @@ def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: s
             f"{j['mode']:<38}{n:>12}{wire / 1e6:>12.2f}{copy_in:>11}{copy_back:>13}"
             f"{prof['copy_bytes'] / 1e6:>17.2f}{prof['held_bytes'] / 1e6:>9.1f}"
             f"{prof['peak_bytes'] / 1e6:>9.1f}"
-            + (f"{prof.get('kernels', 0):>9}" if cuda else ""))
+            + (f"{prof.get('kernels', 0):>9}" if cuda else "")
+            + (f"{prof['rss_peak_bytes'] / 1e6:>13.1f}" if "rss_peak_bytes" in prof else ""))
     return "\n".join(lines)
 
 
