@@ -160,3 +160,35 @@ def test_compiled_code_inside_the_model_runs_eagerly_in_the_fake_run(compiled):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("(3, 2, 1, 0) "), proc.stdout  # eager autograd's order
     assert "ready order: graph's" not in proc.stdout, proc.stdout
+
+
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing (torch.utils.checkpoint, non-reentrant), as large models
+    use it: backward recomputes the block's forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.utils.checkpoint.checkpoint(
+            lambda y: torch.tanh(self.a(y)), x, use_reentrant=False))
+
+
+def test_order_is_learned_under_activation_checkpointing(caplog):
+    """Issue 31: the fake run does forward and backward in one ``functional_call``, so the
+    recompute in backward sees the fake parameters. Before, it failed ("convert all
+    Tensors to FakeTensors"), buckets fell back to the graph's order, and a second warning
+    blamed ``enabled`` turned on after compiling."""
+    torch._dynamo.reset()
+    counters.clear()
+    ready_order._warned.clear()
+    with ddp_fusion.config.patch(enabled=True):
+        wrapper = ddp_fusion.DistributedDataParallel(Checkpointed())
+        torch.compile(wrapper)(torch.randn(2, 8)).sum().backward()
+    # learned, in eager autograd's order: b.bias, b.weight, a.bias, a.weight
+    assert wrapper._state.ready_position == (3, 2, 1, 0), wrapper._state.ready_position
+    assert counters["ddp_fusion"]["ready order: graph's"] == 0
+    assert not [r.message for r in caplog.records if r.levelname == "WARNING"]
