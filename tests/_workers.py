@@ -319,10 +319,13 @@ def dp_tp_compare(rank, world_size, dump_root):
     return out
 
 
-def dtensor_tp_compare(rank, world_size, compiled):
+def dtensor_tp_compare(rank, world_size, compiled, set_to_none=True):
     """DP=2 x TP=2 with DTensor parallelize_module (Colwise + Rowwise): ddp_fusion over
     the DP sub-mesh against one full, unparallelized model trained on both DP ranks'
-    data. Returns the max difference of the full parameters and ddp_fusion's counters."""
+    data (``zero_grad(set_to_none=...)``; False: the first step makes the ``.grad``s,
+    later ones accumulate into them, and they stay the same DTensors). Returns the max
+    difference of the full parameters, whether ``.grad`` stayed the same objects, and
+    ddp_fusion's counters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -338,10 +341,12 @@ def dtensor_tp_compare(rank, world_size, compiled):
         model = torch.compile(ddp)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(full.parameters(), lr=0.1)
+        kept = None
         for _ in range(3):
             xs = [torch.randn(4, 16, generator=g) for g in gens]
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             model(xs[mesh["dp"].get_local_rank()]).square().mean().backward()
+            kept = kept or [p.grad for p in tp_model.parameters()]
             opt.step()
             ref_opt.zero_grad()
             torch.stack([full(x).square().mean() for x in xs]).mean().backward()
@@ -349,6 +354,7 @@ def dtensor_tp_compare(rank, world_size, compiled):
     return {
         "max_diff": max((p.full_tensor() - q).abs().max().item()
                         for p, q in zip(tp_model.parameters(), full.parameters())),
+        "same_grads": all(p.grad is g for p, g in zip(tp_model.parameters(), kept)),
         "ddp_fusion": dict(_torch.dynamo.counters()["ddp_fusion"]),
     }
 
