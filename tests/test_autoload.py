@@ -84,13 +84,16 @@ print(json.dumps({"modules": sorted(sys.modules),
 
 # DDP_FUSION=1: what the import patched, what the first torch DDP adds, what off restores.
 FIRST_USE = """
-import json, sys, torch
+import importlib.util, json, os, sys, torch
 DDP = torch.nn.parallel.DistributedDataParallel
+# ddp_fusion's own files (not "ddp_fusion" anywhere in the path: CI's venv is under
+# /tmp/ddp_fusion_ci.*, torch's files too)
+OURS = importlib.util.find_spec("ddp_fusion").submodule_search_locations[0] + os.sep
 def state():
     inductor = sys.modules.get("torch._inductor.config")
     slot = inductor.post_grad_custom_post_pass if inductor else None
-    return {"init": "ddp_fusion" in DDP.__init__.__code__.co_filename,
-            "forward": "ddp_fusion" in DDP._pre_forward.__code__.co_filename,
+    return {"init": DDP.__init__.__code__.co_filename.startswith(OURS),
+            "forward": DDP._pre_forward.__code__.co_filename.startswith(OURS),
             "pass": type(slot).__name__, "dynamo": "torch._dynamo" in sys.modules}
 at_import = state()
 import torch.distributed as dist

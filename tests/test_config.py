@@ -142,10 +142,11 @@ BAD_VALUES = {  # variable: (value, setting, what the message says is accepted)
 
 # DDP_FUSION=1 with enabled = False in code: off (code beats the environment)
 CODE_BEATS_ENV = """
-import json, torch, ddp_fusion
+import json, os, torch, ddp_fusion
 ddp_fusion.config.enabled = False
 init = torch.nn.parallel.DistributedDataParallel.__init__
-print(json.dumps({"patched": "ddp_fusion" in init.__code__.co_filename}))
+ours = os.path.dirname(ddp_fusion.__file__) + os.sep  # not the path's text: CI's venv is /tmp/ddp_fusion_ci.*
+print(json.dumps({"patched": init.__code__.co_filename.startswith(ours)}))
 """
 
 
