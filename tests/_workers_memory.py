@@ -24,6 +24,12 @@ def _storages(module):
     return [p.grad.untyped_storage().data_ptr() for p in module.parameters()]
 
 
+def _model_and_batches(rank, steps):
+    """The test MLP (same on every rank) and ``steps`` batches of this rank's data."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    return mlp(bias=True), [torch.randn(8, 64, generator=gen) for _ in range(steps)]
+
+
 def _max_diff(got, want):
     return max((g - w).abs().max().item() for g, w in zip(got, want))
 
@@ -34,9 +40,7 @@ def grads_as_bucket_views(rank, world_size, cap=0.03, steps=4):
     storages are laid out (how many distinct storages; whether they stay put across
     steps), for ddp_fusion uncompiled with ``gradient_as_bucket_view=True`` and
     compiled (default arguments)."""
-    base = mlp(bias=True)
-    gen = torch.Generator().manual_seed(100 + rank)
-    batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
+    base, batches = _model_and_batches(rank, steps)
     out = {}
     for set_to_none in (True, False):
         ref = torch.nn.parallel.DistributedDataParallel(
@@ -99,12 +103,10 @@ def _train_kept_grads(model, batches, lr=0.05, keep_after=2):
 
 def kept_grads(rank, world_size, cap=0.03, steps=6):
     """The held-out probe of issue 32 on every path: parameters after ``steps`` steps
-    taken from the ``.grad`` tensors kept after step 1, against eager torch DDP, for
+    taken from the ``.grad`` tensors kept after step 2, against eager torch DDP, for
     ``gradient_as_bucket_view`` off and on, compiled and not. Also whether ``.grad``
     stayed the same object."""
-    base = mlp(bias=True)
-    gen = torch.Generator().manual_seed(100 + rank)
-    batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
+    base, batches = _model_and_batches(rank, steps)
     out = {}
     for gbav in (False, True):
         ref = torch.nn.parallel.DistributedDataParallel(

@@ -155,7 +155,9 @@ def rss_rise(run: Any) -> int:
     ``run()`` ran, in bytes: peak memory as every thread sees it (torch's profiler misses
     frees on gloo's threads). From here on glibc serves every allocation of 64 KiB or
     more by its own mmap, returned to the system at its free (``M_MMAP_THRESHOLD``), so
-    the resident set follows the live tensors rather than the allocator's cache."""
+    the resident set follows the live tensors rather than the allocator's cache. That
+    setting stays for the rest of the process, and makes allocations slower: time
+    nothing in the process after it (the bench measures after its timed rounds)."""
     import ctypes
 
     libc = ctypes.CDLL(None)

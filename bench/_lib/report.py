@@ -77,7 +77,7 @@ def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: s
       (torch DDP's reducer, gloo flattening a coalesced all-reduce);
     * held: bytes kept between steps; peak: held + the most allocated during the step
       (torch's profiler, this thread); peak, RSS (CPU): held + the rise of the resident
-      set in one more step, which sees every thread (``profiling.rss_rise``).
+      set, which sees every thread, median of 5 more steps (``profiling.rss_rise``).
     """
     cuda = device == "cuda"
     rss = any("rss_peak_bytes" in j["profile"][0] for j in _rows(model, jobs, cap) if "profile" in j)
