@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import _torch, effects, scaling
+from .log import log
 from .plan import ddp_bucket_limits
 
 REDUCE_OPS = ("avg", "sum")
@@ -119,6 +120,106 @@ def _reduce_one(grad: torch.Tensor, group_name: str, reduce_op: str, name: str,
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return torch.empty_like(grad).copy_(out)
 
+
+@torch.library.custom_op("ddp_fusion::all_reduce_in_place", mutates_args=("grads",),
+                         tags=CUDAGRAPH_UNSAFE)
+def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str) -> None:
+    """Issue the sum of one bucket's kept ``.grad`` tensors over the group, in place, and
+    return without waiting (``wait_in_place`` waits): what the pass makes of a bucket
+    whose gradients accumulate into ``.grad`` tensors that exist before the backward
+    (passes/in_place.py; the gradients are already scaled).
+
+    If the tensors are one run of memory in bucket order (a bucket's ``.grad`` views,
+    as the first step leaves them: its reduced buffer), one ``all_reduce`` on that run;
+    else one ``all_reduce_coalesced`` of them. Either way nothing is copied in the
+    graph. The check reads metadata only (pointers, strides), never a value."""
+    group = _torch.distributed.resolve_process_group(group_name)
+    if group is None:
+        raise RuntimeError(
+            f"ddp_fusion.all_reduce_in_place: process group {group_name!r} is not "
+            "registered in this process"
+        )
+    c10d = _torch.distributed.c10d_functional
+    run = _one_run(grads)
+    counts = _torch.dynamo.counters()["ddp_fusion"]
+    if run is not None:
+        counts["in place: one run"] += 1
+        c10d.all_reduce_(run, "sum", group_name)
+    else:
+        counts["in place: coalesced"] += 1
+        if not _told_coalesced:
+            _told_coalesced.append(True)
+            log.info(
+                "ddp_fusion: a bucket's kept .grad tensors are not one run of memory (made "
+                "before the first backward, say): reduced in place by all_reduce_coalesced"
+            )
+        c10d.all_reduce_coalesced_([_memory(g) for g in grads], "sum", group_name)
+
+
+_told_coalesced: list[bool] = []
+
+
+@_all_reduce_in_place.register_fake
+def _(grads, group_name):
+    return None
+
+
+@torch.library.custom_op("ddp_fusion::wait_in_place", mutates_args=("grads",), tags=CUDAGRAPH_UNSAFE)
+def _wait_in_place(grads: list[torch.Tensor]) -> None:
+    """Wait for ``all_reduce_in_place`` of the same tensors. The functional collectives
+    keep a collective's work by storage: one wait per storage."""
+    seen = set()
+    for g in grads:
+        key = g.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            _torch.distributed.c10d_functional.wait_tensor(g)
+
+
+@_wait_in_place.register_fake
+def _(grads):
+    return None
+
+
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's memory as a 1-D view (an all-reduce is elementwise, so the
+    order of the elements does not matter); a contiguous tensor as itself."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not _dense(t):
+        raise RuntimeError(
+            f"ddp_fusion.all_reduce_in_place: a kept .grad of shape {list(t.shape)} has "
+            f"strides {list(t.stride())}, not one run of memory; the graph was compiled "
+            "for dense gradients"
+        )
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+            or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
+
+
+def _one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D view of the memory that ``grads`` fill one after another, if they do
+    (dense, same dtype and device, each starting where the one before ends, inside
+    the first one's storage); else None."""
+    first = grads[0]
+    end = first.data_ptr()
+    numel = 0
+    for g in grads:
+        if g.data_ptr() != end or g.dtype != first.dtype or g.device != first.device or not _dense(g):
+            return None
+        end += g.nbytes
+        numel += g.numel()
+    storage = first.untyped_storage()
+    if end > storage.data_ptr() + storage.nbytes():
+        return None  # (adjacent memory of another allocation)
+    return first.as_strided((numel,), (1,), first.storage_offset())
+
+
+ALL_REDUCE_IN_PLACE = torch.ops.ddp_fusion.all_reduce_in_place.default
+WAIT_IN_PLACE = torch.ops.ddp_fusion.wait_in_place.default
 
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
 ALL_REDUCE_CHECKED = torch.ops.ddp_fusion.all_reduce_checked.default

@@ -105,25 +105,45 @@ def kept_grads(rank, world_size, cap=0.03, steps=6):
     """The held-out probe of issue 32 on every path: parameters after ``steps`` steps
     taken from the ``.grad`` tensors kept after step 2, against eager torch DDP, for
     ``gradient_as_bucket_view`` off and on, compiled and not. Also whether ``.grad``
-    stayed the same object."""
+    stayed the same object, how many storages the compiled ``.grad``s live in, and how
+    the compiled steps reduced them in place (one run of memory, or coalesced). The key
+    ``"made"``: compiled, with ``.grad``s the user made before the first backward (one
+    storage each: reduced in place by ``all_reduce_coalesced``)."""
+    from torch._dynamo.utils import counters
+
     base, batches = _model_and_batches(rank, steps)
     out = {}
-    for gbav in (False, True):
+    for gbav in (False, True, "made"):
         ref = torch.nn.parallel.DistributedDataParallel(
-            copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav)
+            copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav is True)
+        if gbav == "made":
+            _make_grads(ref)
         want, _ = _train_kept_grads(ref, batches)
-        eager = ddp_fusion.DistributedDataParallel(
-            copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav)
-        got_eager, same_eager = _train_kept_grads(eager, batches)
+        got_eager, same_eager = None, None
+        if gbav != "made":
+            eager = ddp_fusion.DistributedDataParallel(
+                copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav)
+            got_eager, same_eager = _train_kept_grads(eager, batches)
         torch._dynamo.reset()
+        counters["ddp_fusion"].clear()
         with ddp_fusion.config.patch(enabled=True):
             ddp = ddp_fusion.DistributedDataParallel(
-                copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav)
+                copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav is True)
+            if gbav == "made":
+                _make_grads(ddp)
             got, same = _train_kept_grads(torch.compile(ddp), batches)
         out[gbav] = {
-            "uncompiled": _max_diff(got_eager, want), "uncompiled_same": same_eager,
+            "uncompiled": got_eager and _max_diff(got_eager, want), "uncompiled_same": same_eager,
             "compiled": _max_diff(got, want), "compiled_same": same,
             "moved": _max_diff(want, [p.detach() for p in base.parameters()]),
             "params": [p.tolist() for p in got],
+            "storages": len(set(_storages(ddp))),
+            "in_place": {k.removeprefix("in place: "): v for k, v in counters["ddp_fusion"].items()
+                         if k.startswith("in place: ")},
         }
     return out
+
+
+def _make_grads(model):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)

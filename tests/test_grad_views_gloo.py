@@ -56,4 +56,20 @@ def test_kept_grads_hold_the_reduced_gradient(kept, gbav):
         assert got["moved"] > 1e-3, got
         assert got["uncompiled"] < 1e-6 and got["compiled"] < 1e-6, got
         assert got["compiled_same"], got
+        # Compiled: the .grads are the first step's two reduced buckets (one storage
+        # each), and every later step reduces each bucket in place, one all_reduce on
+        # that memory: no bucket buffer, no copy back.
+        assert got["storages"] == 2, got
+        assert got["in_place"] == {"one run": 2 * (6 - 1)}, got
     assert kept[0][gbav]["params"] == kept[1][gbav]["params"]
+
+
+def test_grads_made_before_the_first_backward_are_reduced_in_place(kept):
+    """``.grad``s the user made (one storage each) are not one run of memory: each
+    bucket is reduced in place by ``all_reduce_coalesced``, still equal to torch DDP."""
+    for r in kept:
+        got = r["made"]
+        assert got["compiled"] < 1e-6 and got["compiled_same"], got
+        assert got["storages"] == 8, got  # the MLP's 8 parameters
+        assert got["in_place"] == {"coalesced": 2 * 6}, got
+    assert kept[0]["made"]["params"] == kept[1]["made"]["params"]

@@ -24,6 +24,8 @@ REQUIRED = (
     "torch.distributed._functional_collectives.wait_tensor",
     "torch.ops._c10d_functional.all_reduce",
     "torch.ops._c10d_functional.all_reduce_coalesced",
+    "torch.ops._c10d_functional.all_reduce_",
+    "torch.ops._c10d_functional.all_reduce_coalesced_",
     "torch.ops._c10d_functional.wait_tensor",
     "torch.testing._internal.distributed.fake_pg.FakeStore",
 )

@@ -41,6 +41,7 @@ from .coalesced import fuse_coalesced
 from .collectives import Unfused, find_gradient_all_reduces, op_args
 from .concat import fuse_concat
 from .guard import group_plans, insert_plan_guards, place_guards
+from .in_place import fuse_in_place, kept_grads
 from .schedule import sink_waits
 
 __all__ = ["FusionResult", "fuse_ddp_allreduces"]
@@ -118,8 +119,11 @@ def fuse_ddp_allreduces(
         divisors = guards[key.group_name, key.reduce_op, key.device]
         last = max(bucket.grads, key=lambda g: order[g.grad])  # scaled by the checked divisor
         label = f"bucket{i}"
+        copies = kept_grads(bucket, order) if planned.hook is None else None
         if planned.hook is not None:  # the model's comm hook reduces it (comm_hooks.py)
             fused.append(fuse_concat(make, bucket, after, divisors, last, label, hooked[i]))
+        elif copies is not None:  # into kept .grads (in_place.py)
+            fused.append(fuse_in_place(make, bucket, copies, after, divisors, last, label))
         else:
             fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})

@@ -36,6 +36,9 @@ class FusedBucket:
     a tail moves as a whole."""
     outputs: list[torch.fx.Node]
     """The reduced gradients, one per ``bucket.grads``."""
+    mutated: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    """Graph inputs the collective reduces in place (in_place.py): their readers after
+    the collective read the reduced values, so the wait goes before them too."""
 
 
 def sink_waits(graph: torch.fx.Graph, fused: list[FusedBucket], max_in_flight: int | None = None) -> None:
@@ -50,6 +53,8 @@ def sink_waits(graph: torch.fx.Graph, fused: list[FusedBucket], max_in_flight: i
         for tail in fb.tails:
             members = set(tail)
             readers = [u for n in tail for u in n.users if u not in members]
+            issued = order[fb.collective]
+            readers += [u for n in fb.mutated for u in n.users if u not in members and order[u] > issued]
             if fb.collective in deadline:
                 readers.append(deadline[fb.collective])
             if not readers:

@@ -1,0 +1,103 @@
+"""Reduce a bucket in place in its kept ``.grad`` tensors: no bucket buffer, no copy.
+
+Where a parameter's ``.grad`` exists before the backward (``zero_grad(set_to_none=False)``,
+gradient accumulation), the hook copies the reduced gradient back into it (grad_sync.py),
+and the graph ends with that copy, as AOTAutograd writes every input mutation::
+
+    g1 = addmm(grad1, ...)                         # the accumulation, old .grad + new
+    r1 = ddp_fusion.all_reduce_gradient(g1, ...)
+    ...
+    copy_(grad1, r1)                               # the kept .grad receives it
+    return (..., copy_(grad1, r1), ...)
+
+Rewritten (each write right after its gradient; the collective after the bucket's last)::
+
+    w1 = copy_(grad1, div(g1, divisor))            # Inductor fuses the scaling (and a
+    ...                                            # pointwise producer) into the write
+    wn = copy_(gradn, div(gn, checked))
+    ddp_fusion.all_reduce_in_place([w1 ... wn], group)   # sum, in place, async
+    ddp_fusion.wait_in_place([w1 ... wn])          # moved later by schedule.py
+    return (..., grad1, ...)
+
+The ``.grad`` tensors are then the bucket: torch DDP's ``gradient_as_bucket_view``
+layout. After a first step with no ``.grad`` they are views of that step's reduced
+bucket, one run of memory in bucket order, so the collective is one ``all_reduce`` on
+that memory (ops.py checks, from pointers and strides; else it issues one
+``all_reduce_coalesced`` of the tensors, still in place). Memory: what eager DDP with
+``gradient_as_bucket_view`` holds, the ``.grad`` tensors and the local gradients of
+kernels that cannot write into them (an ``mm``'s output).
+
+A bucket is reduced this way when each of its gradients goes, and only goes, into the
+final copy to a graph input (a kept ``.grad``), nothing reads that input after the
+gradient is computed, both are dense with the same strides, and the bucket has no
+communication dtype and no comm hook (those keep a buffer of their own).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..ops import ALL_REDUCE_IN_PLACE, WAIT_IN_PLACE
+from ._graph import NodeMaker, memory_order
+from .bucketing import Bucket
+from .collectives import GradAllReduce
+from .schedule import FusedBucket
+
+aten = torch.ops.aten
+
+
+def kept_grads(bucket: Bucket, order: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
+    """Each gradient's final copy into its kept ``.grad`` (a graph input), if the bucket
+    can be reduced in place (module docstring); else None."""
+    if bucket.key.comm_dtype is not None:
+        return None
+    copies = []
+    for g in bucket.grads:
+        (copy, *more) = list(g.node.users) or [None]
+        if more or copy is None or copy.target is not aten.copy_.default or copy.args[1] is not g.node:
+            return None
+        dst = copy.args[0]
+        if not isinstance(dst, torch.fx.Node) or dst.op != "placeholder" or dst is g.grad:
+            return None
+        if any(u is not copy and order[u] > order[g.grad] for u in dst.users):
+            return None  # read after the gradient: it must keep its old value until then
+        want, got = dst.meta.get("val"), g.grad.meta.get("val")
+        if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
+                and want.shape == got.shape and want.dtype == got.dtype and want.device == got.device
+                and (want.is_contiguous() or memory_order(want) is not None)):
+            return None
+        copies.append(copy)
+    return copies
+
+
+def fuse_in_place(
+    make: NodeMaker,
+    bucket: Bucket,
+    copies: list[torch.fx.Node],
+    after: torch.fx.Node,
+    divisors: tuple[torch.fx.Node, torch.fx.Node],
+    last: GradAllReduce,
+    label: str,
+) -> FusedBucket:
+    """``copies``: from :func:`kept_grads`. ``after``: the node the collective follows.
+    ``divisors``, ``last``, ``label``: as for concat.py's ``fuse_concat``."""
+    divisor, checked = divisors
+    writes, kept = [], []
+    for g, copy in zip(bucket.grads, copies):
+        dst = copy.args[0]
+        with make.graph.inserting_after(g.grad):
+            scaled = make(aten.div.Tensor, (g.grad, checked if g is last else divisor))
+        with make.graph.inserting_after(scaled):
+            writes.append(make(aten.copy_.default, (dst, scaled), name=f"{label}_write"))
+        kept.append(dst)
+        copy.replace_all_uses_with(dst)
+        make.graph.erase_node(copy)
+    anchor = after if after is not last.grad else writes[bucket.grads.index(last)]
+    with make.graph.inserting_after(anchor):
+        collective = make(ALL_REDUCE_IN_PLACE, (writes, bucket.key.group_name),
+                          name=f"{label}_all_reduce_in_place")
+    with make.graph.inserting_after(collective):
+        wait = make(WAIT_IN_PLACE, (writes,), name=f"{label}_wait")
+    # the hooks' results become the kept .grads (the final copies are gone)
+    return FusedBucket(bucket, collective, [[wait]], kept, mutated=kept)
