@@ -108,6 +108,7 @@ def _make_hook(
                 # .grad was there before this backward (zero_grad(set_to_none=False),
                 # accumulation): it stays the same tensor and holds the reduced
                 # gradient, as under torch DDP; code that kept it sees the update.
+                # (The pass reduces such a bucket in place in the .grads: in_place.py.)
                 grad.copy_(reduced)
             else:
                 # A new .grad: the reduced gradient becomes it (fused: a view of its

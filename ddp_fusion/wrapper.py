@@ -49,9 +49,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     rest of backward. ``comm_dtype`` (alias ``reduce_dtype``) all-reduces gradients in
     that dtype and casts back, like torch's fp16/bf16 compress hooks.
 
-    Compiled and fused, each reduced ``.grad`` is a view of its bucket's buffer (made
-    afresh each step; nothing is copied back), whatever ``gradient_as_bucket_view``
-    says. Uncompiled, ``gradient_as_bucket_view=True`` makes ``.grad`` views of the
+    Compiled and fused, a new ``.grad`` is a view of its bucket's buffer (nothing is
+    copied back), whatever ``gradient_as_bucket_view`` says; a ``.grad`` that exists
+    before the backward stays the same tensor, and its bucket is reduced in place in
+    the ``.grad``s (after a first step with no ``.grad``, one buffer per bucket). Uncompiled, ``gradient_as_bucket_view=True`` makes ``.grad`` views of the
     eager reducer's persistent buckets, as in torch DDP.
 
     ``bucket_cap_mb="auto"`` chooses the bucket limits for the link and the backward at

@@ -59,21 +59,41 @@ def test_graph_stats_count_the_bucket_copy(fake_pg):
 
     gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4), torch.randn(6))
     assert graph_stats(gm.graph) == {"collectives": 2, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 0,
-                                      "copy_back_bytes": 0}
+                                      "copy_back_bytes": 0, "grads": 0, "grad_copies": 0}
     fuse_ddp_allreduces(gm.graph, algorithm="concat")
+    # both gradients made by pointwise kernels: written straight into the bucket
     assert graph_stats(gm.graph) == {"collectives": 1, "bytes_reduced": 4 * 22, "fusion_copy_bytes": 4 * 22,
-                                      "copy_back_bytes": 0}
+                                      "copy_back_bytes": 0, "grads": 2, "grad_copies": 0}
 
 
 def test_graph_stats_count_a_copy_back(fake_pg):
     """A reduced gradient copied into the old ``.grad`` (as ddp_fusion's graphs did before
-    the reduced buckets became the ``.grad``s)."""
+    the reduced buckets became the ``.grad``s; the pass still does where the reduced
+    gradient is read again)."""
     def backward(grad, w1):
-        return grad.copy_(ddp_fusion.all_reduce_gradient(w1 * 2, dist.group.WORLD, name="w1"))
+        reduced = ddp_fusion.all_reduce_gradient(w1 * 2, dist.group.WORLD, name="w1")
+        return grad.copy_(reduced), reduced + 1
 
     gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
     fuse_ddp_allreduces(gm.graph, algorithm="concat")
-    assert graph_stats(gm.graph)["copy_back_bytes"] == 4 * 16
+    stats = graph_stats(gm.graph)
+    assert stats["copy_back_bytes"] == 4 * 16
+    assert (stats["grads"], stats["grad_copies"]) == (1, 1)  # the copy back
+
+
+def test_graph_stats_count_copies_into_kept_grads(fake_pg):
+    """A bucket reduced in place in its kept ``.grad``s: no bucket buffer, no copy back;
+    a gradient an ``mm`` makes is copied into its ``.grad`` (1), a pointwise one is
+    written there (0)."""
+    def backward(grad_w, grad_b, x, y):
+        return (grad_w.copy_(ddp_fusion.all_reduce_gradient(torch.mm(x, y), dist.group.WORLD, name="w")),
+                grad_b.copy_(ddp_fusion.all_reduce_gradient(grad_b + y.sum(0), dist.group.WORLD, name="b")))
+
+    gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4), torch.randn(4, 4),
+                                                torch.randn(4, 4))
+    fuse_ddp_allreduces(gm.graph, algorithm="concat")
+    assert graph_stats(gm.graph) == {"collectives": 1, "bytes_reduced": 4 * 20, "fusion_copy_bytes": 0,
+                                      "copy_back_bytes": 0, "grads": 2, "grad_copies": 1}
 
 
 def test_first_step_refuses_unknown_models_and_modes_by_name(capsys):

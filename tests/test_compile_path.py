@@ -49,11 +49,15 @@ def test_fused_backward_matches_unfused(unfused_grads, algorithm, tmp_path):
     assert counters["ddp_fusion"]["graphs"] == 2
     assert counters["ddp_fusion"]["fused_all_reduces"] == 2 * 6
     assert counters["ddp_fusion"]["buckets"] == 2 * 2
-    after = sorted(tmp_path.glob("*.after.txt"))[-1].read_text()
+    first, second = [p.read_text() for p in sorted(tmp_path.glob("*.after.txt"))]
     # the graph Inductor lowers: its collectives re-inplaced (no copy of the buckets)
     op = "all_reduce_coalesced_.default" if algorithm == "coalesced" else "all_reduce_.default"
-    assert after.count(op) == 2
-    assert "ddp_fusion.all_reduce_gradient" not in after
+    assert first.count(op) == 2
+    # accumulation into the .grads of step 1: each bucket reduced in place in them
+    assert second.count("ddp_fusion.all_reduce_in_place.default(") == 2
+    assert "_c10d_functional" not in second
+    for after in (first, second):
+        assert "ddp_fusion.all_reduce_gradient" not in after
 
 
 def test_fx_graph_cache_miss_then_hit(monkeypatch, tmp_path):
@@ -191,9 +195,10 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
     the all-reduce runs in place on it, and after its wait no kernel reads it: the
     graph returns views of it, which become the gradients (nothing is copied back).
     Issue 32: with ``.grad`` already set (``zero_grad(set_to_none=False)``), ``.grad``
-    stays the same tensor, as under torch DDP: after its wait, one kernel copies the
-    reduced bucket back into the old ``.grad``s (the accumulation into them is fused
-    into the copy into the bucket), and the graph returns them."""
+    stays the same tensor, as under torch DDP, and the kept ``.grad``s are the bucket:
+    each gradient is written into its ``.grad`` (the accumulation and the scaling fused
+    into that one write), each bucket is reduced in place in them, and no buffer of a
+    bucket's size is made, nothing copied back."""
     import re
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -209,6 +214,23 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
     assert [p.grad is g for p, g in zip(net.parameters(), kept)] == [grads_before == "zeros"] * 6
     (code,) = [p.read_text() for p in tmp_path.rglob("*.py") if "all_reduce_" in p.read_text()]
     call = code.split("def call(")[1]
+    # buckets [4.b, 4.w, 2.b, 2.w] and [0.b, 0.w] (see grads_after_steps)
+    bucket_numels = [8 + 64 * 8 + 64 + 64 * 64, 64 + 32 * 64]
+    if grads_before == "zeros":
+        reduced = re.findall(r"ddp_fusion\.all_reduce_in_place\.default\(\[([^\]]*)\], '0'\)", call)
+        assert [len(r.split(", ")) for r in reduced] == [4, 2], call
+        pieces = call.split("all_reduce_in_place")
+        for i, names in enumerate(reduced):
+            before = "".join(pieces[:i + 1])
+            for arg in names.split(", "):
+                assert arg.startswith("arg"), names  # the kept .grads (graph inputs)
+                # before its reduction, a kernel accumulates and scales into it
+                assert re.search(rf"cpp_fused_\w*\(.*\b{arg}\b", before), (arg, call)
+        assert call.count("ddp_fusion.wait_in_place.default([") == 2
+        for numel in bucket_numels:
+            assert f"empty_strided_cpu(({numel}, )" not in call  # no bucket buffer
+        assert "cpp_fused_copy" not in call and "_c10d_functional" not in call  # no copy back
+        return
     buckets = re.findall(r"all_reduce_\.default\((buf\d+), 'sum'", call)
     assert len(buckets) == 2, call
     numels = []
@@ -220,11 +242,6 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
         after_wait = call.split(f"wait_tensor.default({buf})")[1]
         readers = [line for line in after_wait.splitlines()
                    if re.search(rf"\b{buf}\b", line) and not line.strip().startswith(("del ", "return "))]
-        if grads_before == "none":
-            assert readers == [], readers  # no copy back
-            assert re.search(rf"return \(.*reinterpret_tensor\({buf},", after_wait)
-        else:  # one copy back into the kept .grad tensors, then the buffer is freed
-            assert len(readers) == 1 and readers[0].strip().startswith("cpp_fused_copy_"), readers
-            assert not re.search(rf"return \(.*\b{buf}\b", after_wait)
-    # buckets [4.b, 4.w, 2.b, 2.w] and [0.b, 0.w] (see grads_after_steps)
-    assert sorted(numels) == [64 + 32 * 64, 8 + 64 * 8 + 64 + 64 * 64]
+        assert readers == [], readers  # no copy back
+        assert re.search(rf"return \(.*reinterpret_tensor\({buf},", after_wait)
+    assert sorted(numels) == sorted(bucket_numels)

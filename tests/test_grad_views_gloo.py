@@ -1,7 +1,8 @@
 """Issues 15 and 32 on 2 gloo ranks: where the reduced gradients live. Compiled and
 fused, a new ``.grad`` is a view of its bucket's reduced buffer (nothing copied back); a
 ``.grad`` kept from the step before stays the same tensor and gets the reduced gradient
-(copied back, as torch DDP without ``gradient_as_bucket_view``); uncompiled with
+(its bucket reduced in place in the ``.grad``s, as torch DDP with
+``gradient_as_bucket_view``); uncompiled with
 ``gradient_as_bucket_view=True``, ``.grad`` are views of the eager reducer's persistent
 buckets, as in torch DDP. Against torch DDP, with ``zero_grad(set_to_none=True)`` and
 ``False``."""

@@ -83,10 +83,15 @@ def test_dump_files_are_named_by_compile_id_and_step(runs):
 
 def test_after_graph_is_the_lowered_one_with_labelled_buckets(runs):
     tmp, _, _ = runs
-    (after,) = glob.glob(str(tmp / "dump_cold" / "*_steady.after.txt"))
-    code = open(after).read()
+    (first,) = glob.glob(str(tmp / "dump_cold" / "*_first.after.txt"))
+    code = open(first).read()
     assert "bucket0_all_reduce = torch.ops._c10d_functional.all_reduce_.default(bucket0_cat" in code
     assert "bucket1_wait = " in code and "bucket1_split = " in code
+    # the steady step accumulates into the first step's .grads: reduced in place there
+    (steady,) = glob.glob(str(tmp / "dump_cold" / "*_steady.after.txt"))
+    code = open(steady).read()
+    assert "bucket0_all_reduce_in_place = torch.ops.ddp_fusion.all_reduce_in_place.default([bucket0_write" in code
+    assert "bucket1_wait = torch.ops.ddp_fusion.wait_in_place.default([bucket1_write" in code
 
 
 def test_a_graph_from_the_fx_graph_cache_is_logged_and_its_plan_dumped(runs):

@@ -35,6 +35,16 @@ def small_backward(x, w1, w2):
     return r1, r2
 
 
+def kept_backward(x, w1, w2, grad1, grad2):
+    """``small_backward`` accumulating into kept ``.grad``s, as the hooks trace it."""
+    h = x @ w1
+    g2 = grad2 + h.t() @ x
+    grad2.copy_(ddp_fusion.all_reduce_gradient(g2, name="w2"))
+    g1 = grad1 + (h * 2).sum(0)
+    grad1.copy_(ddp_fusion.all_reduce_gradient(g1, name="w1"))
+    return grad1, grad2
+
+
 def inputs():
     torch.manual_seed(0)
     return torch.randn(4, 3), torch.randn(3, 5), torch.randn(5, 3)
@@ -114,6 +124,32 @@ def forward(self, x_1, w1_1, w2_1):
     getitem_2 = bucket0_all_reduce_coalesced[1];  bucket0_all_reduce_coalesced = None
     bucket0_wait_1 = torch.ops._c10d_functional.wait_tensor.default(getitem_2);  getitem_2 = None
     return (bucket0_wait_1, bucket0_wait)""")
+
+    def test_kept_grads_are_reduced_in_place(self):
+        """Issue 32: gradients accumulated into ``.grad``s that exist before the backward
+        (the hooks copy the reduced gradient into them): each scaled gradient is written
+        into its ``.grad``, the bucket reduced in place there, nothing else allocated."""
+        gm = trace(kept_backward, *inputs(), torch.zeros(5), torch.zeros(5, 3))
+        fuse(gm, algorithm="concat")
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, x_1, w1_1, w2_1, grad1_1, grad2_1):
+    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', device(type='cpu'))
+    plan_divisor_default = torch.ops.ddp_fusion.plan_divisor.default('0', 'avg', device(type='cpu'))
+    mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
+    t = torch.ops.aten.t.default(mm)
+    mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
+    add = torch.ops.aten.add.Tensor(grad2_1, mm_1);  mm_1 = None
+    div_tensor = torch.ops.aten.div.Tensor(add, plan_divisor_default);  add = plan_divisor_default = None
+    bucket0_write = torch.ops.aten.copy_.default(grad2_1, div_tensor);  div_tensor = None
+    mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
+    add_1 = torch.ops.aten.add.Tensor(grad1_1, sum_1);  sum_1 = None
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(add_1, plan_guard_default);  add_1 = plan_guard_default = None
+    bucket0_write_1 = torch.ops.aten.copy_.default(grad1_1, div_tensor_1);  div_tensor_1 = None
+    bucket0_all_reduce_in_place = torch.ops.ddp_fusion.all_reduce_in_place.default([bucket0_write, bucket0_write_1], '0');  bucket0_all_reduce_in_place = None
+    bucket0_wait = torch.ops.ddp_fusion.wait_in_place.default([bucket0_write, bucket0_write_1]);  bucket0_write = bucket0_write_1 = bucket0_wait = None
+    return (grad1_1, grad2_1)""")
 
     def test_without_wait_scheduling_wait_follows_collective(self):
         def fn(x, w):
@@ -556,3 +592,41 @@ def test_an_unfused_all_reduce_divides_by_joins_divisor():
         assert torch.equal(gm(g), g) and torch.equal(ddp_fusion.all_reduce_gradient(g), g)
     finally:
         scaling.set_divisor(world, None)
+
+
+@pytest.mark.usefixtures("fake_pg")
+@pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+def test_kept_grads_hold_the_reduced_gradient_in_place(algorithm):
+    """The in-place form computes what the graph computed: each kept ``.grad`` is the same
+    tensor and holds (old + new) / 2 (a fake group of 2 sums nothing), as unfused."""
+    args = [*inputs(), torch.randn(5), torch.randn(5, 3)]
+    want = [t.clone() for t in kept_backward(*[a.clone() for a in args])]
+    gm = trace(kept_backward, *args)
+    fuse(gm, algorithm=algorithm)
+    assert "all_reduce_in_place" in gm.code and "aten.cat" not in gm.code
+    grads = [args[3].clone(), args[4].clone()]
+    got = gm(*args[:3], *grads)
+    assert got[0] is grads[0] and got[1] is grads[1]
+    for g, w in zip(got, want):  # the unfused ops' result, (old + new) / 2
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_kept_grads_not_reduced_in_place_where_they_cannot_be():
+    """Declined (concat with its bucket buffer, and the copy back): a ``.grad`` the graph
+    reads after the gradient is made (it must keep its old value until then), and a
+    bucket with a communication dtype."""
+    def read_after(x, grad):
+        reduced = ddp_fusion.all_reduce_gradient(grad + x * 2, name="w")
+        old = grad.sum()
+        return grad.copy_(reduced), old
+
+    def comm_dtype(x, grad):
+        return grad.copy_(ddp_fusion.all_reduce_gradient(grad + x * 2, name="w", comm_dtype=torch.float64))
+
+    for fn in (read_after, comm_dtype):
+        gm = trace(fn, torch.randn(4), torch.randn(4))
+        fuse(gm, algorithm="concat")
+        assert "all_reduce_in_place" not in gm.code, fn
+        FileCheck().check("bucket0_cat").check("all_reduce.default").check("wait_tensor").check(
+            "copy_.default").run(gm.code)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 REQUIRED = (
+    "torch.ops.aten._foreach_div.Tensor",
     "torch._dynamo.config.optimize_ddp",
     "torch._dynamo.compiled_autograd._enable",
     "torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST",
@@ -185,6 +186,9 @@ def ddp_bucket_bytes(ddp: torch.nn.parallel.DistributedDataParallel) -> int:
 
 C10D = torch.ops._c10d_functional
 """The functional collectives (``all_reduce``, ``wait_tensor``, ...) as graph targets."""
+
+FOREACH_DIV = torch.ops.aten._foreach_div.Tensor
+"""The scaling of ddp_fusion's coalesced buckets, as a graph target."""
 
 
 def functional_all_reduce(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:

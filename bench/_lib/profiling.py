@@ -227,15 +227,27 @@ def _ddp_fusion_reducer(model: Any) -> Any:
 def graph_stats(graph: torch.fx.Graph) -> dict[str, int]:
     """Collectives in ``graph``, the bytes they reduce, the bytes written by ``cat`` nodes
     that feed them (the copy into a fused bucket; an upper bound, since Inductor can
-    compute a cat input directly into the bucket), and the bytes of reduced gradients
-    copied into another tensor (a copy back into ``.grad``)."""
+    compute a cat input directly into the bucket), the bytes of reduced gradients
+    copied into another tensor (a copy back into ``.grad``), and copies per gradient.
+
+    ``grads``: gradients going into a fused collective (a ``cat``'s inputs, a coalesced
+    all-reduce's inputs, the kept ``.grad``s ddp_fusion reduces in place);
+    ``grad_copies``: how many of them are copied on the way. A gradient made by an
+    extern kernel (:data:`EXTERN`: ``mm``, ``addmm``, convolutions...) is written to a
+    buffer of its own and then copied into the bucket (or its ``.grad``): one copy. One
+    Inductor generates (pointwise, reductions) is written straight into its place: none.
+    Each copy back into ``.grad`` is one more."""
     c10d = _torch.C10D
+    in_place = torch.ops.ddp_fusion.all_reduce_in_place.default
     collectives = {c10d.all_reduce.default, c10d.all_reduce_.default,
                    c10d.all_reduce_coalesced.default, c10d.all_reduce_coalesced_.default,
-                   torch.ops.ddp_fusion.all_reduce_gradient.default}
+                   torch.ops.ddp_fusion.all_reduce_gradient.default, in_place}
     views = {torch.ops.aten.view.default, torch.ops.aten.split_with_sizes.default,
              torch.ops.aten.permute.default, torch.ops.aten.reshape.default,
              torch.ops.aten.split.Tensor, operator.getitem}
+    # on the way from a gradient into its bucket: views, the scaling, a cast, a write
+    passes = views | {torch.ops.aten.div.Tensor, _torch.FOREACH_DIV,
+                      torch.ops.prims.convert_element_type.default, torch.ops.aten.copy_.default}
 
     def size(n: Any) -> int:
         vals = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
@@ -254,19 +266,42 @@ def graph_stats(graph: torch.fx.Graph) -> dict[str, int]:
             return True
         return n.target in views and reduced(n.args[0], depth - 1)
 
-    stats = {"collectives": 0, "bytes_reduced": 0, "fusion_copy_bytes": 0, "copy_back_bytes": 0}
+    def copied(n: Any, depth: int = 8) -> bool:
+        """The gradient on its way into a bucket at ``n`` comes from an extern kernel."""
+        while isinstance(n, torch.fx.Node) and n.target in passes and depth:
+            if n.target is operator.getitem and n.args[0].target is _torch.FOREACH_DIV:
+                n = n.args[0].args[0][n.args[1]]  # (one of a _foreach_div's inputs)
+            else:
+                n = n.args[1] if n.target is torch.ops.aten.copy_.default else n.args[0]
+            depth -= 1
+        return isinstance(n, torch.fx.Node) and n.target in EXTERN
+
+    stats = {"collectives": 0, "bytes_reduced": 0, "fusion_copy_bytes": 0, "copy_back_bytes": 0,
+             "grads": 0, "grad_copies": 0}
     for n in graph.nodes:
         if n.target in (torch.ops.aten.copy_.default, torch.ops.aten.copy.default) and reduced(n.args[1]):
             stats["copy_back_bytes"] += size(n.args[1])
+            stats["grad_copies"] += 1
         if n.target in collectives:
             stats["collectives"] += 1
             arg = n.args[0]
             stats["bytes_reduced"] += (sum(size(a) for a in arg) if isinstance(arg, (list, tuple))
                                        else size(arg))
+            if isinstance(arg, (list, tuple)):  # coalesced, or in place in the kept .grads
+                stats["grads"] += len(arg)
+                stats["grad_copies"] += sum(copied(a) for a in arg)
         elif n.target in (torch.ops.aten.cat, torch.ops.aten.cat.default) and feeds_collective(n):
             # (upstream's concat pass calls the overload packet ``aten.cat``)
             stats["fusion_copy_bytes"] += size(n)
+            stats["grads"] += len(n.args[0])
+            stats["grad_copies"] += sum(copied(a) for a in n.args[0])
     return stats
+
+
+#: Ops Inductor runs as extern kernels (library calls that write a buffer of their own).
+EXTERN = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+          torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default,
+          torch.ops.aten.convolution_backward.default}
 
 
 class LoweredGraphs:

@@ -73,6 +73,9 @@ def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: s
     * copy in / copy back: in the lowered backward graph (compiled modes), bytes written
       by ``cat`` nodes feeding a collective (the copy into a fused bucket; an upper
       bound), and by ``copy_`` nodes whose source is a collective's result;
+    * copies/grad (compiled modes): copies per fused gradient in the lowered graph, in
+      and back (``profiling.graph_stats``: an extern kernel's output is copied into
+      its bucket, a generated kernel's is written there);
     * eager copies: ``aten::copy_`` / ``aten::cat`` calls not inside another aten op
       (torch DDP's reducer, gloo flattening a coalesced all-reduce);
     * held: bytes kept between steps; peak: held + the most allocated during the step
@@ -82,7 +85,7 @@ def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: s
     cuda = device == "cuda"
     rss = any("rss_peak_bytes" in j["profile"][0] for j in _rows(model, jobs, cap) if "profile" in j)
     head = (f"{'mode':<38}{'all-reduces':>12}{'MB on wire':>12}{'MB copy in':>11}{'MB copy back':>13}"
-            f"{'MB eager copies':>17}{'held MB':>9}{'peak MB':>9}" + (f"{'kernels':>9}" if cuda else "")
+            f"{'copies/grad':>12}{'MB eager copies':>17}{'held MB':>9}{'peak MB':>9}" + (f"{'kernels':>9}" if cuda else "")
             + (f"{'peak MB, RSS':>13}" if rss else ""))
     lines = [head, "-" * len(head)]
     for j in _rows(model, jobs, cap):
@@ -97,8 +100,10 @@ def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: s
             wire = prof["python_bytes"]
         copy_in = f"{graph['fusion_copy_bytes'] / 1e6:.2f}" if graph else "-"
         copy_back = f"{graph['copy_back_bytes'] / 1e6:.2f}" if graph else "-"
+        per_grad = (f"{graph['grad_copies'] / graph['grads']:.2f}" if graph and graph.get("grads")
+                    else "-")
         lines.append(
-            f"{j['mode']:<38}{n:>12}{wire / 1e6:>12.2f}{copy_in:>11}{copy_back:>13}"
+            f"{j['mode']:<38}{n:>12}{wire / 1e6:>12.2f}{copy_in:>11}{copy_back:>13}{per_grad:>12}"
             f"{prof['copy_bytes'] / 1e6:>17.2f}{prof['held_bytes'] / 1e6:>9.1f}"
             f"{prof['peak_bytes'] / 1e6:>9.1f}"
             + (f"{prof.get('kernels', 0):>9}" if cuda else "")

@@ -5,12 +5,16 @@
     guard.py        one cross-rank plan check per group, before its first bucket is issued
     concat.py       rewrite a bucket as cat + div + all_reduce + split
     coalesced.py    rewrite a bucket as _foreach_div + all_reduce_coalesced
+    in_place.py     a bucket of kept .grads: write each into its .grad, reduce them in place
     schedule.py     move each bucket's wait to just before its first reader
 
 Invariants every step keeps, checked by ``graph.lint()`` at the end:
 
-* every new node has ``meta["val"]`` (a fake tensor, or a list of them);
-* the graph stays functional: nothing is mutated that was not mutated before; the only
+* every new node has ``meta["val"]`` (a fake tensor, or a list of them; None for the
+  in-place collective and its wait, which return nothing);
+* nothing is mutated that was not mutated before: a kept ``.grad`` (a graph input the
+  graph ends by copying its reduced gradient into) is written earlier, once, with its
+  scaled gradient, and then reduced in place (in_place.py); the only
   new aliases are views (a gradient flattened, or permuted into memory order, on its
   way into a bucket; the reduced gradients, views of their bucket, which the graph
   returns: the hooks make them the new gradients, and a bucket's gradients share its
