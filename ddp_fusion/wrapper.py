@@ -52,8 +52,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     Compiled and fused, a new ``.grad`` is a view of its bucket's buffer (nothing is
     copied back), whatever ``gradient_as_bucket_view`` says; a ``.grad`` that exists
     before the backward stays the same tensor, and its bucket is reduced in place in
-    the ``.grad``s (after a first step with no ``.grad``, one buffer per bucket). Uncompiled, ``gradient_as_bucket_view=True`` makes ``.grad`` views of the
-    eager reducer's persistent buckets, as in torch DDP.
+    the ``.grad``s (after a first step with no ``.grad``, one buffer per bucket).
+    Uncompiled, ``gradient_as_bucket_view=True`` makes ``.grad`` views of the eager
+    reducer's persistent buckets, as in torch DDP.
 
     ``bucket_cap_mb="auto"`` chooses the bucket limits for the link and the backward at
     the first compiled forward (autocap.py); the choice is in ``.bucket_sizing``.

@@ -90,7 +90,8 @@ def test_after_graph_is_the_lowered_one_with_labelled_buckets(runs):
     # the steady step accumulates into the first step's .grads: reduced in place there
     (steady,) = glob.glob(str(tmp / "dump_cold" / "*_steady.after.txt"))
     code = open(steady).read()
-    assert "bucket0_all_reduce_in_place = torch.ops.ddp_fusion.all_reduce_in_place.default([bucket0_write" in code
+    assert ("bucket0_all_reduce_in_place = torch.ops.ddp_fusion.all_reduce_in_place.default("
+            "[bucket0_write") in code
     assert "bucket1_wait = torch.ops.ddp_fusion.wait_in_place.default([bucket1_write" in code
 
 

@@ -85,7 +85,8 @@ def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: s
     cuda = device == "cuda"
     rss = any("rss_peak_bytes" in j["profile"][0] for j in _rows(model, jobs, cap) if "profile" in j)
     head = (f"{'mode':<38}{'all-reduces':>12}{'MB on wire':>12}{'MB copy in':>11}{'MB copy back':>13}"
-            f"{'copies/grad':>12}{'MB eager copies':>17}{'held MB':>9}{'peak MB':>9}" + (f"{'kernels':>9}" if cuda else "")
+            f"{'copies/grad':>12}{'MB eager copies':>17}{'held MB':>9}{'peak MB':>9}"
+            + (f"{'kernels':>9}" if cuda else "")
             + (f"{'peak MB, RSS':>13}" if rss else ""))
     lines = [head, "-" * len(head)]
     for j in _rows(model, jobs, cap):
