@@ -123,62 +123,79 @@ def _reduce_one(grad: torch.Tensor, group_name: str, reduce_op: str, name: str,
 
 @torch.library.custom_op("ddp_fusion::all_reduce_in_place", mutates_args=("grads",),
                          tags=CUDAGRAPH_UNSAFE)
-def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str) -> None:
+def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: str) -> None:
     """Issue the sum of one bucket's kept ``.grad`` tensors over the group, in place, and
     return without waiting (``wait_in_place`` waits): what the pass makes of a bucket
     whose gradients accumulate into ``.grad`` tensors that exist before the backward
     (passes/in_place.py; the gradients are already scaled).
 
-    If the tensors are one run of memory in bucket order (a bucket's ``.grad`` views,
-    as the first step leaves them: its reduced buffer), one ``all_reduce`` on that run;
-    else one ``all_reduce_coalesced`` of them. Either way nothing is copied in the
-    graph. The check reads metadata only (pointers, strides), never a value."""
-    group = _torch.distributed.resolve_process_group(group_name)
-    if group is None:
+    Every rank issues the collective its bucket's plan names, whatever the layout of its
+    ``.grad``s: ``concat``, one ``all_reduce`` of the bucket's elements; ``coalesced``,
+    one ``all_reduce_coalesced`` of the tensors. For ``concat``, ``.grad``s that are one
+    run of memory in bucket order (a bucket's ``.grad`` views, as the first step leaves
+    them: its reduced buffer) are reduced right there; others are gathered into a buffer
+    first and copied back after the wait. The check reads metadata only (pointers,
+    strides), never a value."""
+    if _torch.distributed.resolve_process_group(group_name) is None:
         raise RuntimeError(
             f"ddp_fusion.all_reduce_in_place: process group {group_name!r} is not "
             "registered in this process"
         )
     c10d = _torch.distributed.c10d_functional
-    run = _one_run(grads)
     counts = _torch.dynamo.counters()["ddp_fusion"]
-    if run is not None:
-        counts["in place: one run"] += 1
-        c10d.all_reduce_(run, "sum", group_name)
-    else:
+    if algorithm == "coalesced":
         counts["in place: coalesced"] += 1
-        if not _told_coalesced:
-            _told_coalesced.append(True)
+        c10d.all_reduce_coalesced_([_memory(g) for g in grads], "sum", group_name)
+        return
+    run = _one_run(grads)
+    if run is None:
+        counts["in place: gathered"] += 1
+        if not _told_gathered:
+            _told_gathered.append(True)
             log.info(
                 "ddp_fusion: a bucket's kept .grad tensors are not one run of memory (made "
-                "before the first backward, say): reduced in place by all_reduce_coalesced"
+                "before the first backward, say): they are gathered into a buffer for their "
+                "all-reduce and copied back"
             )
-        c10d.all_reduce_coalesced_([_memory(g) for g in grads], "sum", group_name)
-
-
-_told_coalesced: list[bool] = []
+        run = torch.cat([_memory(g) for g in grads])
+        _gathered[grads[0].data_ptr()] = run
+    else:
+        counts["in place: one run"] += 1
+    c10d.all_reduce_(run, "sum", group_name)
 
 
 @_all_reduce_in_place.register_fake
-def _(grads, group_name):
+def _(grads, group_name, algorithm):
     return None
 
 
 @torch.library.custom_op("ddp_fusion::wait_in_place", mutates_args=("grads",), tags=CUDAGRAPH_UNSAFE)
 def _wait_in_place(grads: list[torch.Tensor]) -> None:
-    """Wait for ``all_reduce_in_place`` of the same tensors. The functional collectives
-    keep a collective's work by storage: one wait per storage."""
+    """Wait for ``all_reduce_in_place`` of the same tensors (and copy a gathered bucket
+    back). The functional collectives keep a collective's work by storage."""
+    gathered = _gathered.pop(grads[0].data_ptr(), None)
+    c10d = _torch.distributed.c10d_functional
+    if gathered is not None:
+        c10d.wait_tensor(gathered)
+        for g, part in zip(grads, gathered.split([g.numel() for g in grads])):
+            _memory(g).copy_(part)
+        return
     seen = set()
     for g in grads:
         key = g.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
-            _torch.distributed.c10d_functional.wait_tensor(g)
+            c10d.wait_tensor(g)
 
 
 @_wait_in_place.register_fake
 def _(grads):
     return None
+
+
+# first .grad's address -> the buffer its bucket was gathered into, until its wait
+_gathered: dict[int, torch.Tensor] = {}
+_told_gathered: list[bool] = []
 
 
 def _memory(t: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ def kept_grads(rank, world_size, cap=0.03, steps=6):
     stayed the same object, how many storages the compiled ``.grad``s live in, and how
     the compiled steps reduced them in place (one run of memory, or coalesced). The key
     ``"made"``: compiled, with ``.grad``s the user made before the first backward (one
-    storage each: reduced in place by ``all_reduce_coalesced``)."""
+    storage each: gathered for their bucket's all-reduce, copied back)."""
     from torch._dynamo.utils import counters
 
     base, batches = _model_and_batches(rank, steps)

@@ -147,7 +147,7 @@ def forward(self, x_1, w1_1, w2_1, grad1_1, grad2_1):
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(add_1, plan_guard_default);  add_1 = plan_guard_default = None
     bucket0_write_1 = torch.ops.aten.copy_.default(grad1_1, div_tensor_1);  div_tensor_1 = None
-    bucket0_all_reduce_in_place = torch.ops.ddp_fusion.all_reduce_in_place.default([bucket0_write, bucket0_write_1], '0');  bucket0_all_reduce_in_place = None
+    bucket0_all_reduce_in_place = torch.ops.ddp_fusion.all_reduce_in_place.default([bucket0_write, bucket0_write_1], '0', 'concat');  bucket0_all_reduce_in_place = None
     bucket0_wait = torch.ops.ddp_fusion.wait_in_place.default([bucket0_write, bucket0_write_1]);  bucket0_write = bucket0_write_1 = bucket0_wait = None
     return (grad1_1, grad2_1)""")
 

@@ -127,7 +127,7 @@ def fuse_ddp_allreduces(
         if planned.hook is not None:  # the model's comm hook reduces it (comm_hooks.py)
             fused.append(fuse_concat(make, bucket, after, divisors, last, label, hooked[i]))
         elif copies is not None:  # into kept .grads (in_place.py)
-            fused.append(fuse_in_place(make, bucket, copies, after, divisors, last, label))
+            fused.append(fuse_in_place(make, bucket, copies, after, divisors, last, label, algorithm))
         else:
             fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})

@@ -15,22 +15,23 @@ Rewritten (each write right after its gradient; the collective after the bucket'
     w1 = copy_(grad1, div(g1, divisor))            # Inductor fuses the scaling (and a
     ...                                            # pointwise producer) into the write
     wn = copy_(gradn, div(gn, checked))
-    ddp_fusion.all_reduce_in_place([w1 ... wn], group)   # sum, in place, async
+    ddp_fusion.all_reduce_in_place([w1 ... wn], group, "concat")   # sum, in place, async
     ddp_fusion.wait_in_place([w1 ... wn])          # moved later by schedule.py
     return (..., grad1, ...)
 
 The ``.grad`` tensors are then the bucket: torch DDP's ``gradient_as_bucket_view``
 layout. After a first step with no ``.grad`` they are views of that step's reduced
-bucket, one run of memory in bucket order, so the collective is one ``all_reduce`` on
-that memory (ops.py checks, from pointers and strides; else it issues one
-``all_reduce_coalesced`` of the tensors, still in place). Memory: what eager DDP with
-``gradient_as_bucket_view`` holds, the ``.grad`` tensors and the local gradients of
-kernels that cannot write into them (an ``mm``'s output).
+bucket, one run of memory in bucket order, so the collective (``concat``) is one
+``all_reduce`` on that memory (ops.py checks, from pointers and strides; ``.grad``s
+laid out otherwise are gathered into a buffer for the same ``all_reduce`` and copied
+back). With ``coalesced`` it is one ``all_reduce_coalesced`` of the ``.grad``s.
+Memory: what eager DDP with ``gradient_as_bucket_view`` holds, the ``.grad`` tensors and
+the local gradients of kernels that cannot write into them (an ``mm``'s output).
 
 A bucket is reduced this way when each of its gradients goes, and only goes, into the
-final copy to a graph input (a kept ``.grad``), nothing reads that input after the
-gradient is computed, both are dense with the same strides, and the bucket has no
-communication dtype and no comm hook (those keep a buffer of their own).
+final copy to a graph input (a kept ``.grad``) of its shape, dtype and device, nothing
+reads that input after the gradient is computed, the input is dense, and the bucket has
+no communication dtype and no comm hook (those keep a buffer of their own).
 """
 
 from __future__ import annotations
@@ -79,9 +80,13 @@ def fuse_in_place(
     divisors: tuple[torch.fx.Node, torch.fx.Node],
     last: GradAllReduce,
     label: str,
+    algorithm: str,
 ) -> FusedBucket:
     """``copies``: from :func:`kept_grads`. ``after``: the node the collective follows.
-    ``divisors``, ``last``, ``label``: as for concat.py's ``fuse_concat``."""
+    ``divisors``, ``last``, ``label``: as for concat.py's ``fuse_concat``. ``algorithm``:
+    the plan's (``concat``: one ``all_reduce`` of the bucket's elements; ``coalesced``:
+    one ``all_reduce_coalesced`` of its tensors), so that every rank issues what the
+    plan says, and a joined rank's replay of it matches (join.py)."""
     divisor, checked = divisors
     writes, kept = [], []
     for g, copy in zip(bucket.grads, copies):
@@ -95,7 +100,7 @@ def fuse_in_place(
         make.graph.erase_node(copy)
     anchor = after if after is not last.grad else writes[bucket.grads.index(last)]
     with make.graph.inserting_after(anchor):
-        collective = make(ALL_REDUCE_IN_PLACE, (writes, bucket.key.group_name),
+        collective = make(ALL_REDUCE_IN_PLACE, (writes, bucket.key.group_name, algorithm),
                           name=f"{label}_all_reduce_in_place")
     with make.graph.inserting_after(collective):
         wait = make(WAIT_IN_PLACE, (writes,), name=f"{label}_wait")
