@@ -108,19 +108,21 @@ def kept_grads(rank, world_size, cap=0.03, steps=6):
     stayed the same object, how many storages the compiled ``.grad``s live in, and how
     the compiled steps reduced them in place (one run of memory, or coalesced). The key
     ``"made"``: compiled, with ``.grad``s the user made before the first backward (one
-    storage each: gathered for their bucket's all-reduce, copied back)."""
+    storage each: gathered for their bucket's all-reduce, copied back); ``"mixed"``: so
+    on rank 1 only (the ranks' layouts differ, their collectives must not)."""
     from torch._dynamo.utils import counters
 
     base, batches = _model_and_batches(rank, steps)
     out = {}
-    for gbav in (False, True, "made"):
+    for gbav in (False, True, "made", "mixed"):
+        made = gbav == "made" or (gbav == "mixed" and rank == 1)
         ref = torch.nn.parallel.DistributedDataParallel(
             copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav is True)
-        if gbav == "made":
+        if made:
             _make_grads(ref)
         want, _ = _train_kept_grads(ref, batches)
         got_eager, same_eager = None, None
-        if gbav != "made":
+        if gbav in (False, True):
             eager = ddp_fusion.DistributedDataParallel(
                 copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav)
             got_eager, same_eager = _train_kept_grads(eager, batches)
@@ -129,7 +131,7 @@ def kept_grads(rank, world_size, cap=0.03, steps=6):
         with ddp_fusion.config.patch(enabled=True):
             ddp = ddp_fusion.DistributedDataParallel(
                 copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=gbav is True)
-            if gbav == "made":
+            if made:
                 _make_grads(ddp)
             got, same = _train_kept_grads(torch.compile(ddp), batches)
         out[gbav] = {

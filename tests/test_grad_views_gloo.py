@@ -75,3 +75,15 @@ def test_grads_made_before_the_first_backward_get_the_same_collective(kept):
         assert got["storages"] == 8, got  # the MLP's 8 parameters
         assert got["in_place"] == {"gathered": 2 * 6}, got
     assert kept[0]["made"]["params"] == kept[1]["made"]["params"]
+
+
+def test_ranks_whose_grads_are_laid_out_differently_issue_the_same_collectives(kept):
+    """Rank 1's ``.grad``s made by the user, rank 0's left to the first step: rank 0's
+    first step fuses into new buffers, rank 1's gathers its own; later steps reduce
+    rank 0's in place and gather rank 1's. The same all-reduces on both (no hang), the
+    same parameters, equal to torch DDP."""
+    zero, one = kept[0]["mixed"], kept[1]["mixed"]
+    assert zero["in_place"] == {"one run": 2 * 5} and one["in_place"] == {"gathered": 2 * 6}, (zero, one)
+    for got in (zero, one):
+        assert got["compiled"] < 1e-6 and got["compiled_same"], got
+    assert zero["params"] == one["params"]
