@@ -39,11 +39,13 @@ def test_dtensor_tp_compiled_and_fused_matches_full_model():
     the DTensor parameters (with the clone work-around in ddp_fusion._torch), the local
     shards are reduced in one fused bucket over the DP group, and the result matches one
     full model trained on all data. With ``zero_grad(set_to_none=False)``: the first
-    step's graph makes the ``.grad``s, the second accumulates into them and copies the
-    reduced shards back, so the ``.grad`` DTensors stay the same objects (issue 32)."""
+    step's graph makes the ``.grad``s, the second accumulates into their local shards
+    and reduces each bucket in place there (one run of memory: the first step's bucket),
+    so the ``.grad`` DTensors stay the same objects (issue 32)."""
     for r in run_ranks(dtensor_tp_compare, world_size=4, args=(True, False), timeout=900):
         assert r["max_diff"] < 1e-5, r
         assert r["same_grads"], r
         counters = r["ddp_fusion"]
         assert counters["graphs"] == 2 and counters["fused_all_reduces"] == 2 * 4, r
         assert not any(k.startswith("unfused") for k in counters), r
+        assert counters["in place: one run"] > 0, r
