@@ -612,10 +612,10 @@ def test_kept_grads_hold_the_reduced_gradient_in_place(algorithm):
 
 
 @pytest.mark.usefixtures("fake_pg")
-def test_kept_grads_not_reduced_in_place_where_they_cannot_be():
-    """Declined (concat with its bucket buffer, and the copy back): a ``.grad`` the graph
-    reads after the gradient is made (it must keep its old value until then), and a
-    bucket with a communication dtype."""
+def test_kept_grads_not_reduced_in_place_where_they_cannot_be(caplog, monkeypatch):
+    """Declined, and logged with the reason (concat with its bucket buffer, and the copy
+    back): a ``.grad`` the graph reads after the gradient is made (it must keep its old
+    value until then), and a bucket with a communication dtype."""
     def read_after(x, grad):
         reduced = ddp_fusion.all_reduce_gradient(grad + x * 2, name="w")
         old = grad.sum()
@@ -624,9 +624,14 @@ def test_kept_grads_not_reduced_in_place_where_they_cannot_be():
     def comm_dtype(x, grad):
         return grad.copy_(ddp_fusion.all_reduce_gradient(grad + x * 2, name="w", comm_dtype=torch.float64))
 
-    for fn in (read_after, comm_dtype):
+    monkeypatch.setattr(ddp_fusion.passes, "_warned", set())  # logged once per process
+    whys = ["the graph reads the old .grad of w after its new gradient is made",
+            "it is reduced in torch.float64"]
+    for fn, why in zip((read_after, comm_dtype), whys):
         gm = trace(fn, torch.randn(4), torch.randn(4))
-        fuse(gm, algorithm="concat")
+        with caplog.at_level("INFO", logger="ddp_fusion"):
+            fuse(gm, algorithm="concat")
         assert "all_reduce_in_place" not in gm.code, fn
         FileCheck().check("bucket0_cat").check("all_reduce.default").check("wait_tensor").check(
             "copy_.default").run(gm.code)
+        assert any(why in r.getMessage() and "copy back" in r.getMessage() for r in caplog.records), why

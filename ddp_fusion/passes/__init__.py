@@ -123,7 +123,9 @@ def fuse_ddp_allreduces(
         divisors = guards[key.group_name, key.reduce_op, key.device]
         last = max(bucket.grads, key=lambda g: order[g.grad])  # scaled by the checked divisor
         label = f"bucket{i}"
-        copies = kept_grads(bucket, order) if planned.hook is None else None
+        copies, why = kept_grads(bucket, order, planned.hook is not None)
+        if why is not None:
+            _note_copy_back(label, why)
         if planned.hook is not None:  # the model's comm hook reduces it (comm_hooks.py)
             fused.append(fuse_concat(make, bucket, after, divisors, last, label, hooked[i]))
         elif copies is not None:  # into kept .grads (in_place.py)
@@ -199,6 +201,16 @@ def _replace_all(graph: torch.fx.Graph, new: dict[torch.fx.Node, torch.fx.Node])
         user.kwargs = map_arg(user.kwargs, lambda n: new.get(n, n))
     for old in new:
         graph.erase_node(old)
+
+
+def _note_copy_back(label: str, why: str) -> None:
+    """A bucket of kept ``.grad``s not reduced in place (in_place.py): they get the
+    reduced bucket by a copy back, with a bucket buffer beside them."""
+    _torch.dynamo.counters()["ddp_fusion"]["kept .grads copied back"] += 1
+    if why not in _warned:
+        _warned.add(why)
+        log.info("ddp_fusion: %s's kept .grads get the reduced gradient by a copy back, not "
+                 "reduced in place: %s", label, why)
 
 
 def _report_unfused(unfused: list[Unfused]) -> None:

@@ -48,28 +48,44 @@ from .schedule import FusedBucket
 aten = torch.ops.aten
 
 
-def kept_grads(bucket: Bucket, order: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
-    """Each gradient's final copy into its kept ``.grad`` (a graph input), if the bucket
-    can be reduced in place (module docstring); else None."""
+def kept_grads(bucket: Bucket, order: dict[torch.fx.Node, int],
+               hooked: bool) -> tuple[list[torch.fx.Node] | None, str | None]:
+    """``(copies, None)``: each gradient's final copy into its kept ``.grad`` (a graph
+    input); the bucket can be reduced in place (module docstring). ``(None, why)``: its
+    gradients go into kept ``.grad``s but it cannot be (they get a copy back).
+    ``(None, None)``: its gradients become new ``.grad``s. ``hooked``: a comm hook
+    reduces the bucket."""
+    copies = [_final_copy(g) for g in bucket.grads]
+    if not any(copies):
+        return None, None
+    if not all(copies):
+        return None, "some of its gradients go into kept .grads and some become new ones"
+    if hooked:
+        return None, "the model's comm hook reduces a bucket buffer"
     if bucket.key.comm_dtype is not None:
-        return None
-    copies = []
-    for g in bucket.grads:
-        (copy, *more) = list(g.node.users) or [None]
-        if more or copy is None or copy.target is not aten.copy_.default or copy.args[1] is not g.node:
-            return None
+        return None, f"it is reduced in {bucket.key.comm_dtype} (a buffer of that dtype)"
+    for g, copy in zip(bucket.grads, copies):
         dst = copy.args[0]
-        if not isinstance(dst, torch.fx.Node) or dst.op != "placeholder" or dst is g.grad:
-            return None
         if any(u is not copy and order[u] > order[g.grad] for u in dst.users):
-            return None  # read after the gradient: it must keep its old value until then
+            return None, f"the graph reads the old .grad of {g.label} after its new gradient is made"
         want, got = dst.meta.get("val"), g.grad.meta.get("val")
         if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
                 and want.shape == got.shape and want.dtype == got.dtype and want.device == got.device
                 and (want.is_contiguous() or memory_order(want) is not None)):
-            return None
-        copies.append(copy)
-    return copies
+            return None, f"the .grad of {g.label} is not dense, or not of its gradient's shape and dtype"
+    return copies, None
+
+
+def _final_copy(g: GradAllReduce) -> torch.fx.Node | None:
+    """The graph's final ``copy_`` of ``g``'s reduced gradient into a graph input (a kept
+    ``.grad``), if that is all that reads it."""
+    (copy, *more) = list(g.node.users) or [None]
+    if more or copy is None or copy.target is not aten.copy_.default or copy.args[1] is not g.node:
+        return None
+    dst = copy.args[0]
+    if not isinstance(dst, torch.fx.Node) or dst.op != "placeholder" or dst is g.grad:
+        return None
+    return copy
 
 
 def fuse_in_place(
