@@ -124,13 +124,19 @@ def _reduce_op(node: torch.fx.Node) -> Any:
 
 def _patches_for(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     """Inductor settings for one backward graph, only if it holds ddp_fusion's
-    collectives: keep the pass's node order (``schedule_waits``), and with a
-    communication dtype keep the rounding to it before the scaling (Inductor would
-    otherwise compute cast + divide in fp32 and round once, where torch's compress hooks
-    round the gradient first: a different result where the quotient is subnormal)."""
+    collectives: keep the pass's node order, and with a communication dtype keep the
+    rounding to it before the scaling (Inductor would otherwise compute cast + divide in
+    fp32 and round once, where torch's compress hooks round the gradient first: a
+    different result where the quotient is subnormal).
+
+    The node order is kept whether or not ``schedule_waits`` placed the waits: Inductor
+    keeps its own collectives in graph order, but not ddp_fusion's in-place bucket op
+    (passes/in_place.py), which its peak-memory reordering could move past another
+    bucket's collective: another order of collectives than the plan's, which other ranks
+    and a joined rank's replay follow."""
     tagged = _tagged_all_reduces(graph_module)
     patches: dict[str, Any] = {}
-    if tagged and config.schedule_waits:
+    if tagged:
         patches.update(_torch.inductor.options_keeping_node_order())
     if any(_comm_dtype(n) is not None for n in tagged):
         patches.update(_torch.inductor.options_emulating_precision_casts())

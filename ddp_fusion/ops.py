@@ -147,6 +147,8 @@ def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: 
         counts["in place: coalesced"] += 1
         c10d.all_reduce_coalesced_([_memory(g) for g in grads], "sum", group_name)
         return
+    key = tuple(map(id, grads))
+    _gathered.pop(key, None)  # (left by a step that failed before its wait)
     run = _one_run(grads)
     if run is None:
         counts["in place: gathered"] += 1
@@ -158,7 +160,7 @@ def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: 
                 "all-reduce and copied back"
             )
         run = torch.cat([_memory(g) for g in grads])
-        _gathered[grads[0].data_ptr()] = run
+        _gathered[key] = run
     else:
         counts["in place: one run"] += 1
     c10d.all_reduce_(run, "sum", group_name)
@@ -173,7 +175,7 @@ def _(grads, group_name, algorithm):
 def _wait_in_place(grads: list[torch.Tensor]) -> None:
     """Wait for ``all_reduce_in_place`` of the same tensors (and copy a gathered bucket
     back). The functional collectives keep a collective's work by storage."""
-    gathered = _gathered.pop(grads[0].data_ptr(), None)
+    gathered = _gathered.pop(tuple(map(id, grads)), None)
     c10d = _torch.distributed.c10d_functional
     if gathered is not None:
         c10d.wait_tensor(gathered)
@@ -193,8 +195,9 @@ def _(grads):
     return None
 
 
-# first .grad's address -> the buffer its bucket was gathered into, until its wait
-_gathered: dict[int, torch.Tensor] = {}
+# the bucket's .grad tensors (ids: the same objects reach the op and its wait) -> the
+# buffer they were gathered into, until the wait
+_gathered: dict[tuple[int, ...], torch.Tensor] = {}
 _told_gathered: list[bool] = []
 
 
@@ -213,8 +216,12 @@ def _memory(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
-            or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
+    """Whether ``t`` fills one run of memory, in some order of its dimensions (contiguous,
+    channels-last, a transposed parameter's gradient, ...)."""
+    if t.is_contiguous():
+        return True
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    return t.permute(order).is_contiguous()
 
 
 def _one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:

@@ -596,15 +596,19 @@ def test_an_unfused_all_reduce_divides_by_joins_divisor():
 
 @pytest.mark.usefixtures("fake_pg")
 @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
-def test_kept_grads_hold_the_reduced_gradient_in_place(algorithm):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_kept_grads_hold_the_reduced_gradient_in_place(algorithm, layout):
     """The in-place form computes what the graph computed: each kept ``.grad`` is the same
-    tensor and holds (old + new) / 2 (a fake group of 2 sums nothing), as unfused."""
-    args = [*inputs(), torch.randn(5), torch.randn(5, 3)]
+    tensor and holds (old + new) / 2 (a fake group of 2 sums nothing), as unfused; also
+    a ``.grad`` with a transposed parameter's strides (dense, not contiguous)."""
+    grad2 = torch.randn(5, 3) if layout == "contiguous" else torch.randn(3, 5).t()
+    args = [*inputs(), torch.randn(5), grad2]
     want = [t.clone() for t in kept_backward(*[a.clone() for a in args])]
     gm = trace(kept_backward, *args)
     fuse(gm, algorithm=algorithm)
     assert "all_reduce_in_place" in gm.code and "aten.cat" not in gm.code
-    grads = [args[3].clone(), args[4].clone()]
+    grads = [args[3].clone(), args[4].clone(memory_format=torch.preserve_format)]
+    assert grads[1].stride() == args[4].stride()
     got = gm(*args[:3], *grads)
     assert got[0] is grads[0] and got[1] is grads[1]
     for g, w in zip(got, want):  # the unfused ops' result, (old + new) / 2
@@ -624,10 +628,16 @@ def test_kept_grads_not_reduced_in_place_where_they_cannot_be(caplog, monkeypatc
     def comm_dtype(x, grad):
         return grad.copy_(ddp_fusion.all_reduce_gradient(grad + x * 2, name="w", comm_dtype=torch.float64))
 
+    def view_read_after(x, grad):
+        view = grad.view(2, 2)  # taken before the gradient is made, read after
+        reduced = ddp_fusion.all_reduce_gradient(grad + x * 2, name="w")
+        return grad.copy_(reduced), view.sum()
+
     monkeypatch.setattr(ddp_fusion.passes, "_warned", set())  # logged once per process
     whys = ["the graph reads the old .grad of w after its new gradient is made",
-            "it is reduced in torch.float64"]
-    for fn, why in zip((read_after, comm_dtype), whys):
+            "it is reduced in torch.float64", "the graph reads the old .grad of w"]
+    for fn, why in zip((read_after, comm_dtype, view_read_after), whys):
+        monkeypatch.setattr(ddp_fusion.passes, "_warned", set())
         gm = trace(fn, torch.randn(4), torch.randn(4))
         with caplog.at_level("INFO", logger="ddp_fusion"):
             fuse(gm, algorithm="concat")
@@ -635,3 +645,17 @@ def test_kept_grads_not_reduced_in_place_where_they_cannot_be(caplog, monkeypatc
         FileCheck().check("bucket0_cat").check("all_reduce.default").check("wait_tensor").check(
             "copy_.default").run(gm.code)
         assert any(why in r.getMessage() and "copy back" in r.getMessage() for r in caplog.records), why
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_in_place_buckets_in_flight_keep_their_own_gathered_buffers():
+    """Two buckets of ``.grad``s that are not one run of memory, in flight together,
+    each starting with an empty ``.grad`` (whose address is 0): each wait copies back
+    its own bucket's buffer."""
+    in_place, wait = torch.ops.ddp_fusion.all_reduce_in_place, torch.ops.ddp_fusion.wait_in_place
+    a, b = [torch.empty(0), torch.arange(3.0)], [torch.empty(0), torch.arange(4.0) + 10]
+    in_place(a, "0", "concat")
+    in_place(b, "0", "concat")
+    wait(a)
+    wait(b)
+    assert a[1].tolist() == [0.0, 1.0, 2.0] and b[1].tolist() == [10.0, 11.0, 12.0, 13.0]

@@ -55,6 +55,17 @@ def test_the_compiled_backward_keeps_upstreams_ddp_fusion_pass_off(enabled):
     assert "_fuse_ddp_communication" not in _install._patches_for(plain)
 
 
+def test_the_compiled_backward_keeps_the_pass_order_without_wait_scheduling(enabled):
+    """Inductor orders its own collectives but not ddp_fusion's in-place bucket op: its
+    peak-memory reordering stays off for a graph ddp_fusion fuses, ``schedule_waits`` on
+    or off, so collectives run in plan order."""
+    gm = torch.fx.symbolic_trace(lambda g: torch.ops.ddp_fusion.all_reduce_gradient(
+        g, "0", "avg", [1], "w", None, -1, 0))
+    for schedule_waits in (True, False):
+        with ddp_fusion.config.patch(schedule_waits=schedule_waits):
+            assert _install._patches_for(gm).get("reorder_for_peak_memory") is False
+
+
 def test_adopted_torch_ddp_takes_its_bucket_arguments_and_group(enabled):
     """bucket_cap_mb / bucket_cap_mb_list and the process group reach the hooks' bucket
     limits (the same limits the wrapper is tested with against eager DDP)."""

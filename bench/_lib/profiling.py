@@ -236,7 +236,9 @@ def graph_stats(graph: torch.fx.Graph) -> dict[str, int]:
     extern kernel (:data:`EXTERN`: ``mm``, ``addmm``, convolutions...) is written to a
     buffer of its own and then copied into the bucket (or its ``.grad``): one copy. One
     Inductor generates (pointwise, reductions) is written straight into its place: none.
-    Each copy back into ``.grad`` is one more."""
+    Each copy back into ``.grad`` is one more. Graph-level: ``.grad``s that ddp_fusion's
+    in-place op gathers at run time (made by the user, not one run of memory) are not
+    counted."""
     c10d = _torch.C10D
     in_place = torch.ops.ddp_fusion.all_reduce_in_place.default
     collectives = {c10d.all_reduce.default, c10d.all_reduce_.default,
@@ -269,12 +271,14 @@ def graph_stats(graph: torch.fx.Graph) -> dict[str, int]:
     def copied(n: Any, depth: int = 8) -> bool:
         """The gradient on its way into a bucket at ``n`` comes from an extern kernel."""
         while isinstance(n, torch.fx.Node) and n.target in passes and depth:
+            if n.target is torch.ops.aten.reshape.default and not n.args[0].meta["val"].is_contiguous():
+                return True  # (a gradient that is not dense, copied to be flattened)
             if n.target is operator.getitem and n.args[0].target is _torch.FOREACH_DIV:
                 n = n.args[0].args[0][n.args[1]]  # (one of a _foreach_div's inputs)
             else:
                 n = n.args[1] if n.target is torch.ops.aten.copy_.default else n.args[0]
             depth -= 1
-        return isinstance(n, torch.fx.Node) and n.target in EXTERN
+        return isinstance(n, torch.fx.Node) and n.target in EXTERN | {torch.ops.aten.clone.default}
 
     stats = {"collectives": 0, "bytes_reduced": 0, "fusion_copy_bytes": 0, "copy_back_bytes": 0,
              "grads": 0, "grad_copies": 0}

@@ -36,6 +36,8 @@ no communication dtype and no comm hook (those keep a buffer of their own).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -66,7 +68,7 @@ def kept_grads(bucket: Bucket, order: dict[torch.fx.Node, int],
         return None, f"it is reduced in {bucket.key.comm_dtype} (a buffer of that dtype)"
     for g, copy in zip(bucket.grads, copies):
         dst = copy.args[0]
-        if any(u is not copy and order[u] > order[g.grad] for u in dst.users):
+        if any(u is not copy and order.get(u, len(order)) > order[g.grad] for u in _readers(dst)):
             return None, f"the graph reads the old .grad of {g.label} after its new gradient is made"
         want, got = dst.meta.get("val"), g.grad.meta.get("val")
         if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
@@ -74,6 +76,25 @@ def kept_grads(bucket: Bucket, order: dict[torch.fx.Node, int],
                 and (want.is_contiguous() or memory_order(want) is not None)):
             return None, f"the .grad of {g.label} is not dense, or not of its gradient's shape and dtype"
     return copies, None
+
+
+def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that read ``node``'s memory: its users and, through views of it, theirs."""
+    out, todo = [], [node]
+    while todo:
+        for user in todo.pop().users:
+            out.append(user)
+            if _is_view(user):
+                todo.append(user)
+    return out
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    if node.target is operator.getitem:  # (an item of a view op's list: split, unbind)
+        return True
+    schema = getattr(node.target, "_schema", None)
+    alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+    return alias is not None and not alias.is_write
 
 
 def _final_copy(g: GradAllReduce) -> torch.fx.Node | None:
