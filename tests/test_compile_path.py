@@ -3,6 +3,8 @@ installs the pass and compiled autograd, the compiled backward carries one colle
 per bucket, gradients match the unfused run, and Inductor's FX graph cache is used.
 """
 
+import gc
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -24,6 +26,10 @@ def mlp():
 def grads_after_steps(enabled, steps=2, **config):
     """Run ``steps`` compiled forward+backward passes; return the gradients."""
     torch._dynamo.reset()
+    # A model's id (in its graphs) counts the live models with its parameter names: an
+    # earlier test's model left in a reference cycle, collected between two calls,
+    # would change it, and the cache test would miss for that reason alone.
+    gc.collect()
     with ddp_fusion.config.patch(enabled=enabled, **config):
         # cap 0.015 MiB (15728 B); eager autograd's ready order is 4.b, 4.w 2 KiB, 2.b,
         # 2.w 16 KiB, 0.b, 0.w 8 KiB: buckets [4.b .. 2.w] (18720 B) and [0.b, 0.w]
