@@ -206,7 +206,7 @@ def _memory(t: torch.Tensor) -> torch.Tensor:
     order of the elements does not matter); a contiguous tensor as itself."""
     if t.is_contiguous():
         return t.view(-1)
-    if not _dense(t):
+    if not is_dense(t):
         raise RuntimeError(
             f"ddp_fusion.all_reduce_in_place: a kept .grad of shape {list(t.shape)} has "
             f"strides {list(t.stride())}, not one run of memory; the graph was compiled "
@@ -215,9 +215,10 @@ def _memory(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
-def _dense(t: torch.Tensor) -> bool:
+def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` fills one run of memory, in some order of its dimensions (contiguous,
-    channels-last, a transposed parameter's gradient, ...)."""
+    channels-last, a transposed parameter's gradient, ...): what the in-place op takes,
+    and so what the pass checks before it makes one (passes/in_place.py)."""
     if t.is_contiguous():
         return True
     order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
@@ -232,7 +233,7 @@ def _one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:
     end = first.data_ptr()
     numel = 0
     for g in grads:
-        if g.data_ptr() != end or g.dtype != first.dtype or g.device != first.device or not _dense(g):
+        if g.data_ptr() != end or g.dtype != first.dtype or g.device != first.device or not is_dense(g):
             return None
         end += g.nbytes
         numel += g.numel()

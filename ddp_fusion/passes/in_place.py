@@ -41,8 +41,8 @@ import operator
 import torch
 import torch.fx
 
-from ..ops import ALL_REDUCE_IN_PLACE, WAIT_IN_PLACE
-from ._graph import NodeMaker, memory_order
+from ..ops import ALL_REDUCE_IN_PLACE, WAIT_IN_PLACE, is_dense
+from ._graph import NodeMaker
 from .bucketing import Bucket
 from .collectives import GradAllReduce
 from .schedule import FusedBucket
@@ -73,7 +73,7 @@ def kept_grads(bucket: Bucket, order: dict[torch.fx.Node, int],
         want, got = dst.meta.get("val"), g.grad.meta.get("val")
         if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
                 and want.shape == got.shape and want.dtype == got.dtype and want.device == got.device
-                and (want.is_contiguous() or memory_order(want) is not None)):
+                and is_dense(want)):
             return None, f"the .grad of {g.label} is not dense, or not of its gradient's shape and dtype"
     return copies, None
 
