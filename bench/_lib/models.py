@@ -2,6 +2,9 @@
 
 * ``mlp``: 24 x (Linear(256, 256) + LayerNorm + GELU) + Linear(256, 1), batch 128: many
   small parameters.
+* ``mlp_host``: 100 x (Linear(64, 64) + LayerNorm + GELU) + Linear(64, 1), batch 8: 402
+  tiny parameters and almost no compute, so the step is host time (Python per step, per
+  bucket, per parameter), the regime a GPU reaches once its kernels are short.
 * ``gpt``: a small GPT (vocab 1000, d 192, 4 heads, 4 pre-LN blocks, seq 64), batch 8.
 * ``mlp_tp``: DP=2 x TP=2 on 4 ranks: 8 residual Megatron blocks (W1 split by rows, W2 by
   columns over the TP group; the TP all-reduces are plain functional collectives, which
@@ -284,6 +287,8 @@ class ModelSpec:
 
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("MLP: 24 x (Linear(256,256) + LayerNorm + GELU) + Linear(256,1), batch 128"),
+    "mlp_host": ModelSpec("host-bound MLP: 100 x (Linear(64,64) + LayerNorm + GELU) + Linear(64,1), "
+                          "batch 8: 402 small parameters"),
     "gpt": ModelSpec("GPT: vocab 1000, d_model 192, 4 heads, 4 blocks, seq 64, batch 8"),
     "mlp_tp": ModelSpec("DP=2 x TP=2 MLP: 8 x Megatron block (256 -> 1024 -> 256, W1 by rows, "
                         "W2 by columns over TP), batch 64 per DP rank", world_size=4, tp=2),
@@ -294,6 +299,7 @@ MODELS: dict[str, ModelSpec] = {
 MLP_BATCH, MLP_WIDTH = 128, 256
 GPT_BATCH, GPT_SEQ, GPT_VOCAB = 8, 64, 1000
 TP_BATCH = 64
+HOST_BATCH, HOST_WIDTH, HOST_DEPTH = 8, 64, 100
 
 
 def world_size(model: str, device: str = "cpu") -> int:
@@ -320,6 +326,8 @@ def make_model(name: str, tp_group: Any = None) -> nn.Module:
     torch.manual_seed(0)
     if name == "mlp_tp":
         return TPMLP(tp_group)
+    if name == "mlp_host":
+        return MLP(HOST_WIDTH, HOST_DEPTH)
     return MLP() if name == "mlp" else GPT()
 
 
@@ -338,6 +346,9 @@ def make_batches(name: str, rank: int, count: int) -> list[Batch]:
         if name == "mlp":
             out.append((torch.randn(MLP_BATCH, MLP_WIDTH, generator=gen),
                         torch.randn(MLP_BATCH, 1, generator=gen)))
+        elif name == "mlp_host":
+            out.append((torch.randn(HOST_BATCH, HOST_WIDTH, generator=gen),
+                        torch.randn(HOST_BATCH, 1, generator=gen)))
         elif name == "mlp_tp":
             out.append((torch.randn(TP_BATCH, MLP_WIDTH, generator=gen),
                         torch.randn(TP_BATCH, MLP_WIDTH, generator=gen)))
@@ -351,7 +362,7 @@ def loss_of(name: str, model: nn.Module) -> Callable[[Any, Any], torch.Tensor]:
     """``loss(x, y)`` of ``model`` (``name``'s model, wrapped any way)."""
     if MODELS[name].hf is not None:
         return lambda x, y: hf_loss(model, x)
-    if name in ("mlp", "mlp_tp"):
+    if name in ("mlp", "mlp_host", "mlp_tp"):
         return lambda x, y: (model(x) - y).square().mean()
     return lambda x, y: F.cross_entropy((out := model(x)).reshape(-1, out.shape[-1]), y.reshape(-1))
 
