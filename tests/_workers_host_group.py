@@ -1,12 +1,15 @@
-"""Per-rank bodies of tests/test_regroup_gloo.py: ddp_fusion's per-group state (a host
+"""Per-rank bodies of tests/test_host_group_gloo.py: ddp_fusion's per-group state (a host
 group: a thread, a gloo group, its sockets) ends with its process group when the group
 is destroyed and made again in the same process (a new ``init_process_group``, an
-in-process restart)."""
+in-process restart); a host group whose ranks cannot connect fails at construction,
+on every rank, within seconds."""
 
 import copy
 import gc
 import os
+import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -73,3 +76,47 @@ def regroup(rank, world_size, tmpdir, compiled, rounds=3):
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmpdir, 'last')}",
                             rank=rank, world_size=world_size)
     return out
+
+
+UNREACHABLE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never routed
+
+
+def _unreachable_address(value: bytes) -> bytes:
+    """gloo's published address of a rank (a ``sockaddr`` inside its bytes), with the IP
+    address replaced by one nobody answers at: a peer's connection to it goes nowhere,
+    as to a node whose host name resolves to 127.0.1.1, or behind a blocked port."""
+    try:
+        ours = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    except OSError:
+        ours = set()
+    for address in sorted(ours | {"127.0.0.1"}):
+        at = value.find(socket.inet_aton(address))
+        if at >= 4 and value[at - 4:at - 2] == b"\x02\x00":  # sockaddr_in: AF_INET, port, address
+            return value[:at] + socket.inet_aton(UNREACHABLE) + value[at + 4:]
+    raise AssertionError(f"no IPv4 address of this host in gloo's published address {value!r}")
+
+
+def unreachable_peer(rank, world_size):
+    """Rank 1's host group publishes an address nobody answers at; both ranks build a
+    model (which makes the host group). Returns (seconds, error type, message) per rank:
+    each must raise within seconds, not the group's timeout."""
+    from ddp_fusion import _torch
+
+    if rank == 1:
+        make = _torch.distributed.lazy_gloo_group
+
+        def lazy_gloo_group(prefix, rank, size, timeout):
+            pg = make(prefix, rank, size, timeout)
+            store = _torch.distributed.default_store()
+            key = f"{prefix}/0/{rank}"  # where gloo publishes this rank's address
+            store.set(key, _unreachable_address(store.get(key)))
+            return pg
+
+        _torch.distributed.lazy_gloo_group = lazy_gloo_group
+    _torch.check_torch()  # (imports Dynamo and Inductor: not part of the time)
+    start = time.monotonic()
+    try:
+        ddp_fusion.DistributedDataParallel(torch.nn.Linear(4, 4))
+    except Exception as e:  # noqa: BLE001 - the result
+        return time.monotonic() - start, type(e).__name__, str(e)
+    return time.monotonic() - start, None, None
