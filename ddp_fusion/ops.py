@@ -201,6 +201,12 @@ _gathered: dict[tuple[int, ...], torch.Tensor] = {}
 _told_gathered: list[bool] = []
 
 
+def pending() -> int:
+    """Buckets of kept ``.grad``s gathered into a buffer whose wait has not run: none
+    between steps (see ``ddp_fusion.pending``)."""
+    return len(_gathered)
+
+
 def _memory(t: torch.Tensor) -> torch.Tensor:
     """A dense tensor's memory as a 1-D view (an all-reduce is elementwise, so the
     order of the elements does not matter); a contiguous tensor as itself."""

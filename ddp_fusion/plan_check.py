@@ -63,6 +63,12 @@ _published: set[str] = set()
 _pending: dict[tuple[str, str], tuple[host_group.HostGroup, int, concurrent.futures.Future]] = {}
 
 
+def pending() -> int:
+    """Plan checks started whose guard has not collected them: none between steps (see
+    ``ddp_fusion.pending``)."""
+    return len(_pending)
+
+
 def _group(group_name: str) -> dist.ProcessGroup:
     group = _torch.distributed.resolve_process_group(group_name)
     if group is None:
