@@ -732,3 +732,15 @@ def test_in_place_buckets_in_flight_keep_their_own_gathered_buffers():
     wait(a)
     wait(b)
     assert a[1].tolist() == [0.0, 1.0, 2.0] and b[1].tolist() == [10.0, 11.0, 12.0, 13.0]
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_pending_reports_a_gathered_bucket_until_its_wait():
+    """``ddp_fusion.pending()``: the per-step state still held, empty between steps."""
+    in_place, wait = torch.ops.ddp_fusion.all_reduce_in_place, torch.ops.ddp_fusion.wait_in_place
+    grads = [torch.ones(3), torch.ones(2)]  # two allocations: gathered into a buffer
+    assert ddp_fusion.pending() == {}
+    in_place(grads, "0", "concat")
+    assert ddp_fusion.pending() == {"gathered buckets": 1}
+    wait(grads)
+    assert ddp_fusion.pending() == {}
