@@ -81,6 +81,11 @@ class SlowGroup(dist.ProcessGroup):
         for t in tensors:
             _garbage(t)
         work = _LateWork(self, tensors)
+        if tensors and tensors[0].is_cuda:  # the result lands after the garbage
+            work.issued = torch.cuda.Event()
+            work.issued.record()
+            # a CUDA-aware future, as NCCL's: waiting for it orders the waiter's stream
+            work.future = torch.futures.Future(devices=[tensors[0].device])
         self._done.put((issue(scratch), scratch, work))
         return work
 
@@ -112,22 +117,30 @@ class _LateWork(dist.Work):
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.future: torch.futures.Future = torch.futures.Future()
-        self.event: Any = None
+        self.issued: Any = None  # CUDA: the issuing stream's event after the garbage
+        self.event: Any = None  # CUDA: the side stream's event after the result
+        self.keep: list[torch.Tensor] = []
 
     def land(self, scratch: list[torch.Tensor]) -> None:
         """The collective completes: its result goes into the tensors (CUDA: on a side
         stream that sleeps first)."""
         if self.tensors and self.tensors[0].is_cuda:
-            stream = torch.cuda.Stream(device=self.tensors[0].device)
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(SLEEP_CYCLES)
-                for t, s in zip(self.tensors, scratch):
-                    t.copy_(s, non_blocking=True)
-                self.event = torch.cuda.Event()
-                self.event.record(stream)
-        else:
-            for t, s in zip(self.tensors, scratch):
-                t.copy_(s)
+            device = self.tensors[0].device
+            with torch.cuda.device(device):
+                stream = torch.cuda.Stream()
+                self.keep = [s.pin_memory() for s in scratch]  # (until the copies are done)
+                with torch.cuda.stream(stream):
+                    stream.wait_event(self.issued)
+                    torch.cuda._sleep(SLEEP_CYCLES)
+                    for t, s in zip(self.tensors, self.keep):
+                        t.copy_(s, non_blocking=True)
+                    self.event = torch.cuda.Event()
+                    self.event.record(stream)
+                    self.done.set()
+                    self.future.set_result(self.tensors)  # (its events: on the side stream)
+            return
+        for t, s in zip(self.tensors, scratch):
+            t.copy_(s)
         self.done.set()
         self.future.set_result(self.tensors)
 

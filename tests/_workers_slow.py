@@ -1,7 +1,9 @@
-"""Per-rank bodies of tests/test_slow_backend_gloo.py: ddp_fusion's paths on the "slow"
-test backend (tests/_slow_backend.py: every all-reduce completes late, its tensors NaN
-until then), against eager torch DDP on the default gloo group, with nothing of
-ddp_fusion's per-step state left after any step (``ddp_fusion.pending()``)."""
+"""Per-rank bodies of tests/test_slow_backend_gloo.py (and, on CUDA tensors, of
+tests/test_gpu.py): ddp_fusion's paths on the "slow" test backend
+(tests/_slow_backend.py: every all-reduce completes late, its tensors NaN until then; on
+CUDA written by a side stream that sleeps first), against eager torch DDP on the default
+gloo group, with nothing of ddp_fusion's per-step state left after any step
+(``ddp_fusion.pending()``)."""
 
 import contextlib
 import copy
@@ -62,16 +64,18 @@ def _read_before_wait(slow):
     return bool(before.isnan().all()), t.tolist()
 
 
-def slow_paths(rank, world_size):
+def slow_paths(rank, world_size, device_type="cpu"):
     """Each path trained for STEPS steps on the slow group against eager torch DDP on
-    the world group: returns ``{path: {"diff", "left", "issued", "waited", ...}}``, with
-    ``left`` the non-empty ``ddp_fusion.pending()`` after any step."""
+    the world group, on ``device_type``: returns ``{path: {"diff", "left", "issued",
+    "waited", ...}}``, with ``left`` the non-empty ``ddp_fusion.pending()`` after any
+    step."""
     _slow_backend.register()
     slow = dist.new_group(backend=_slow_backend.NAME)
-    out = {"read before wait": _read_before_wait(slow)}
+    out = {"read before wait": _read_before_wait(slow)}  # (on the CPU: a deliberate race)
+    device = torch.device(device_type, 0)
     gen = torch.Generator().manual_seed(100 + rank)
-    batches = [torch.randn(8, 64, generator=gen) * (1 + rank) for _ in range(STEPS)]
-    base = MLP()
+    batches = [(torch.randn(8, 64, generator=gen) * (1 + rank)).to(device) for _ in range(STEPS)]
+    base = MLP().to(device)
     counters = _torch.dynamo.counters()
 
     def run(name, set_to_none=True, compiled=True, hooked=False, grads_first=False, uneven=False,
