@@ -17,6 +17,7 @@ from . import _install, comm_hooks, ops, passes, plan_check
 from . import config as _config_module
 from .comm_hooks import CommHookError
 from .config import config
+from .host_group import HostGroupError
 from .log import log as _log
 from .ops import all_reduce_gradient
 from .plan_check import PlanMismatchError
@@ -26,6 +27,7 @@ from .wrapper import DistributedDataParallel
 __all__ = [
     "CommHookError",
     "DistributedDataParallel",
+    "HostGroupError",
     "PlanMismatchError",
     "SettingsMismatchError",
     "all_reduce_gradient",

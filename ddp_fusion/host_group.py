@@ -339,7 +339,7 @@ def _where() -> str:
     """Where this rank's gloo group listens, as gloo picks it: the interface
     ``GLOO_SOCKET_IFNAME`` names, else the address the host's name resolves to."""
     host = socket.gethostname()
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    ifname = os.environ.get(_torch.distributed.GLOO_SOCKET_IFNAME)
     if ifname:
         return f"host {host}, interface {ifname} from GLOO_SOCKET_IFNAME"
     try:

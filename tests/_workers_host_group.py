@@ -96,27 +96,49 @@ def _unreachable_address(value: bytes) -> bytes:
     raise AssertionError(f"no IPv4 address of this host in gloo's published address {value!r}")
 
 
-def unreachable_peer(rank, world_size):
-    """Rank 1's host group publishes an address nobody answers at; both ranks build a
-    model (which makes the host group). Returns (seconds, error type, message) per rank:
-    each must raise within seconds, not the group's timeout."""
-    from ddp_fusion import _torch
-
-    if rank == 1:
-        make = _torch.distributed.lazy_gloo_group
-
-        def lazy_gloo_group(prefix, rank, size, timeout):
-            pg = make(prefix, rank, size, timeout)
-            store = _torch.distributed.default_store()
-            key = f"{prefix}/0/{rank}"  # where gloo publishes this rank's address
-            store.set(key, _unreachable_address(store.get(key)))
-            return pg
-
-        _torch.distributed.lazy_gloo_group = lazy_gloo_group
-    _torch.check_torch()  # (imports Dynamo and Inductor: not part of the time)
+def _build(group):
+    """Seconds to build a model on ``group`` (which makes its host group), the error's
+    type and message (None, None if it built)."""
     start = time.monotonic()
     try:
-        ddp_fusion.DistributedDataParallel(torch.nn.Linear(4, 4))
+        ddp_fusion.DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
     except Exception as e:  # noqa: BLE001 - the result
         return time.monotonic() - start, type(e).__name__, str(e)
     return time.monotonic() - start, None, None
+
+
+def cannot_connect(rank, world_size):
+    """Host groups on new groups of both ranks: rank 1's publishes an address nobody
+    answers at; rank 1's ``GLOO_SOCKET_IFNAME`` names an interface it lacks; both name
+    the loopback interface (``lo``: fine). Returns ``{case: (seconds, error type,
+    message)}``: each failure must come within seconds, on both ranks."""
+    from ddp_fusion import _torch
+
+    _torch.check_torch()  # (imports Dynamo and Inductor: not part of the time)
+    out = {}
+    make = _torch.distributed.lazy_gloo_group
+
+    def lazy_gloo_group(prefix, rank, size, timeout):
+        pg = make(prefix, rank, size, timeout)
+        store = _torch.distributed.default_store()
+        key = f"{prefix}/0/{rank}"  # where gloo publishes this rank's address
+        store.set(key, _unreachable_address(store.get(key)))
+        return pg
+
+    group = dist.new_group([0, 1])
+    if rank == 1:
+        _torch.distributed.lazy_gloo_group = lazy_gloo_group
+    else:
+        time.sleep(2)  # rank 1's address is replaced before rank 0 can read it
+    try:
+        out["unreachable"] = _build(group)
+    finally:
+        _torch.distributed.lazy_gloo_group = make
+    for case, ifname in (("no such interface", "nosuch0" if rank == 1 else ""), ("lo", "lo")):
+        group = dist.new_group([0, 1])
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        try:
+            out[case] = _build(group)
+        finally:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+    return out

@@ -12,7 +12,7 @@ import pytest
 
 from ddp_fusion.launch import run_ranks
 
-from _workers_host_group import UNREACHABLE, regroup, unreachable_peer
+from _workers_host_group import cannot_connect, regroup
 
 
 def _check(results):
@@ -39,11 +39,20 @@ def test_host_groups_end_with_their_process_group_compiled(tmp_path):
 
 
 def test_a_host_group_that_cannot_connect_fails_on_every_rank_within_seconds():
-    """Rank 1's host group publishes an address nobody answers at. With a 60 s group
-    timeout, gloo alone would give up after minutes; the host group's check at
-    construction raises within its bound (10 s) on both ranks."""
-    for seconds, kind, message in run_ranks(unreachable_peer, world_size=2, timeout=200, pg_timeout=60):
-        assert kind == "HostGroupError", (kind, message)
-        assert seconds < 30, (seconds, message)
+    """Rank 1's host group publishes an address nobody answers at: with a 60 s group
+    timeout gloo alone would give up after minutes (and, before, in the first backward);
+    the host group's check where the model is built raises within its bound (10 s) on
+    both ranks. Rank 1's ``GLOO_SOCKET_IFNAME`` naming an interface it lacks: both raise
+    at once (before, the host group ignored ``GLOO_SOCKET_IFNAME``). Both naming ``lo``:
+    the model builds."""
+    for out in run_ranks(cannot_connect, world_size=2, timeout=300, pg_timeout=60):
+        seconds, kind, message = out["unreachable"]
+        assert kind == "HostGroupError", out
+        assert seconds < 30, out
         assert "cannot connect" in message and "GLOO_SOCKET_IFNAME" in message, message
-        assert "group rank 1 (host" in message or UNREACHABLE in message, message
+        assert "could not exchange with group rank" in message and "(host " in message, message
+        seconds, kind, message = out["no such interface"]
+        assert kind == "HostGroupError" and seconds < 30, out
+        assert "group rank 1 (host" in message, message
+        assert "interface nosuch0 from GLOO_SOCKET_IFNAME" in message, message
+        assert out["lo"] == (out["lo"][0], None, None), out

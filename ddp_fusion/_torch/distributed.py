@@ -104,22 +104,33 @@ def group_timeout(group: dist.ProcessGroup) -> Any:
     return dist.default_pg_timeout
 
 
+#: The environment variable that names the network interfaces gloo listens on.
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
 def lazy_gloo_group(prefix: str, rank: int, size: int, timeout: Any) -> Any:
     """A gloo process group (a backend object: ``send``, ``recv``, ``broadcast`` on CPU
     tensors, group ranks) of ``size`` ranks over the default store under ``prefix``,
     made without a collective and connecting lazily: each pair of ranks connects at its
     first exchange, so a rank that talks to O(log N) peers holds O(log N) connections
-    (``TORCH_GLOO_LAZY_INIT``'s behaviour, for this group only). ``timeout`` bounds a
-    connection (gloo retries a connection for a few times it) and every wait that is not
-    given its own. Registered nowhere: ``destroy_process_group`` does not know it, and
-    it goes when it is garbage (its thread, sockets and connections with it)."""
+    (``TORCH_GLOO_LAZY_INIT``'s behaviour, for this group only). It listens on the
+    interfaces ``GLOO_SOCKET_IFNAME`` names (comma-separated), as a gloo group that
+    ``init_process_group`` makes does, else on the address the host's name resolves to.
+    ``timeout`` bounds a connection (gloo retries one for up to five times it) and every
+    wait that is not given its own. Registered nowhere: ``destroy_process_group`` does
+    not know it, and it goes when it is garbage (its threads and sockets with it)."""
     store = dist.PrefixStore(prefix, default_store())
     options = dist.ProcessGroupGloo._Options()
+    # (ProcessGroupGloo's own constructor reads GLOO_SOCKET_IFNAME; create_default_device
+    # does not)
+    interfaces = [i.strip() for i in os.environ.get(GLOO_SOCKET_IFNAME, "").split(",") if i.strip()]
+    gloo = dist.ProcessGroupGloo
     try:
-        device = dist.ProcessGroupGloo.create_default_device(lazy_init=True)
+        devices = ([gloo.create_device(interface=i, lazy_init=True) for i in interfaces]
+                   or [gloo.create_default_device(lazy_init=True)])
     except TypeError:  # a torch without lazy gloo devices: every pair connects now
-        device = dist.ProcessGroupGloo.create_default_device()
-    options._devices = [device]
+        devices = [gloo.create_device(interface=i) for i in interfaces] or [gloo.create_default_device()]
+    options._devices = devices
     options._timeout = timeout
     options._threads = 1
     return dist.ProcessGroupGloo(store, rank, size, options)
