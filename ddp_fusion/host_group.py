@@ -154,7 +154,7 @@ class HostGroup:
             arrived = store.add(f"{base}/arrived", 0)
             raise HostGroupError(
                 f"ddp_fusion: only {arrived} of the {self.size} ranks of process group "
-                f"{self.group_name!r} made its host group (where they build a ddp_fusion model "
+                f"{self.group_name!r} made their host group (where they build a ddp_fusion model "
                 f"on it) within the group's timeout ({self.timeout}): a rank died, or does not "
                 "build the model"
             ) from e
@@ -389,7 +389,8 @@ def of(group: dist.ProcessGroup) -> HostGroup | None:
     """``group``'s host group (made the first time; None for a group without peers,
     unless :data:`FORCE`, and always for the ``fake`` backend). A group made again under
     the same name (a new ``init_process_group``) gets a new one, and the old one ends.
-    Raises :class:`HostGroupError` for a group whose host group has ended."""
+    Making one is collective (module docstring): :class:`HostGroupError` if the ranks
+    cannot make it or connect it."""
     if not (has_peers(group) or (FORCE and dist.get_backend(group) != "fake")):
         return None
     name = _torch.distributed.ensure_group_name(group)
@@ -406,12 +407,6 @@ def of(group: dist.ProcessGroup) -> HostGroup | None:
         _groups[name] = (weakref.ref(group, gone), host)
         _torch.distributed.on_groups_unregistered(_patches, _unregistered)
         return host
-
-
-def open_groups() -> list[str]:
-    """The names of the process groups that have a host group now."""
-    with _lock:
-        return list(_groups)
 
 
 def _end(name: str, why: str) -> HostGroup:
