@@ -96,6 +96,53 @@ def _unreachable_address(value: bytes) -> bytes:
     raise AssertionError(f"no IPv4 address of this host in gloo's published address {value!r}")
 
 
+class _Unreachable(dist.Store):
+    """The default store, except that every host group's gloo address (the key
+    ``<prefix>/0/<rank>`` gloo publishes it under) reads as one nobody answers at: so
+    whichever rank of a pair connects, it connects to nothing."""
+
+    def __init__(self, store):
+        super().__init__()
+        self.store = store
+
+    def get(self, key):
+        value = self.store.get(key)
+        parts = key.split("/")
+        if key.startswith("ddp_fusion/host/") and parts[-2] == "0" and parts[-1].isdigit():
+            return _unreachable_address(value)
+        return value
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def add(self, key, value):
+        return self.store.add(key, value)
+
+    def wait(self, keys, timeout=None):
+        return self.store.wait(keys) if timeout is None else self.store.wait(keys, timeout)
+
+    def check(self, keys):
+        return self.store.check(keys)
+
+    def multi_get(self, keys):
+        return self.store.multi_get(keys)
+
+    def multi_set(self, keys, values):
+        return self.store.multi_set(keys, values)
+
+    def compare_set(self, key, expected, desired):
+        return self.store.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self.store.delete_key(key)
+
+    def num_keys(self):
+        return self.store.num_keys()
+
+    def has_extended_api(self):
+        return True
+
+
 def _build(group):
     """Seconds to build a model on ``group`` (which makes its host group), the error's
     type and message (None, None if it built)."""
@@ -108,32 +155,22 @@ def _build(group):
 
 
 def cannot_connect(rank, world_size):
-    """Host groups on new groups of both ranks: rank 1's publishes an address nobody
-    answers at; rank 1's ``GLOO_SOCKET_IFNAME`` names an interface it lacks; both name
-    the loopback interface (``lo``: fine). Returns ``{case: (seconds, error type,
+    """Host groups on new groups of both ranks: the ranks' gloo addresses read as ones
+    nobody answers at; rank 1's ``GLOO_SOCKET_IFNAME`` names an interface it lacks; both
+    name the loopback interface (``lo``: fine). Returns ``{case: (seconds, error type,
     message)}``: each failure must come within seconds, on both ranks."""
     from ddp_fusion import _torch
 
     _torch.check_torch()  # (imports Dynamo and Inductor: not part of the time)
     out = {}
-    make = _torch.distributed.lazy_gloo_group
-
-    def lazy_gloo_group(prefix, rank, size, timeout):
-        pg = make(prefix, rank, size, timeout)
-        store = _torch.distributed.default_store()
-        key = f"{prefix}/0/{rank}"  # where gloo publishes this rank's address
-        store.set(key, _unreachable_address(store.get(key)))
-        return pg
-
+    default_store = _torch.distributed.default_store
+    unreachable = _Unreachable(default_store())
     group = dist.new_group([0, 1])
-    if rank == 1:
-        _torch.distributed.lazy_gloo_group = lazy_gloo_group
-    else:
-        time.sleep(2)  # rank 1's address is replaced before rank 0 can read it
+    _torch.distributed.default_store = lambda: unreachable
     try:
         out["unreachable"] = _build(group)
     finally:
-        _torch.distributed.lazy_gloo_group = make
+        _torch.distributed.default_store = default_store
     for case, ifname in (("no such interface", "nosuch0" if rank == 1 else ""), ("lo", "lo")):
         group = dist.new_group([0, 1])
         os.environ["GLOO_SOCKET_IFNAME"] = ifname

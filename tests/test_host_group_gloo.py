@@ -39,8 +39,9 @@ def test_host_groups_end_with_their_process_group_compiled(tmp_path):
 
 
 def test_a_host_group_that_cannot_connect_fails_on_every_rank_within_seconds():
-    """Rank 1's host group publishes an address nobody answers at: with a 60 s group
-    timeout gloo alone would give up after minutes (and, before, in the first backward);
+    """The host group's gloo addresses read as ones nobody answers at (so whichever rank
+    of the pair connects, it connects to nothing): with a 60 s group timeout gloo alone
+    would give up after minutes (and, before, in the settings check or the first backward);
     the host group's check where the model is built raises within its bound (10 s) on
     both ranks. Rank 1's ``GLOO_SOCKET_IFNAME`` naming an interface it lacks: both raise
     at once (before, the host group ignored ``GLOO_SOCKET_IFNAME``). Both naming ``lo``:
