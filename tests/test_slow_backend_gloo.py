@@ -3,7 +3,7 @@ step: ddp_fusion's paths (concat, coalesced, kept ``.grad``s reduced in place in
 and gathered, a comm hook, ``join()``, uncompiled) on 2 ranks of the "slow" test backend
 (tests/_slow_backend.py), whose all-reduces complete late and hold NaN until then,
 against eager torch DDP on gloo. On gloo alone a read before the wait usually sees the
-right values. Slow: about 3 minutes on 2 cores; ``python -m pytest -q -m slow
+right values. Slow: about 1.5 minutes on 2 cores; ``python -m pytest -q -m slow
 tests/test_slow_backend_gloo.py``."""
 
 import pytest
