@@ -55,6 +55,8 @@ COLLECTIVES = {
     _torch.C10D.all_reduce_coalesced.default,
     _torch.C10D.all_reduce_coalesced_.default,
     torch.ops.ddp_fusion.all_reduce_gradient.default,
+    torch.ops.ddp_fusion.all_reduce_bucket.default,
+    torch.ops.ddp_fusion.all_reduce_bucket_coalesced.default,
 }
 
 

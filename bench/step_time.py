@@ -5,7 +5,9 @@ Modes (each trains a fresh copy of the same model, same seed, same data, same bu
 eager torch DDP (``eager_ddp``, ``eager_ddp_grad_view``, with torch's fp16 / bf16 /
 PowerSGD hooks), DDPOptimizer (``ddp_optimizer``), upstream compiled DDP (python reducer +
 compiled autograd + Inductor's ``_fuse_ddp_communication`` concat / coalesced, or
-``bucket_all_reduces_fx``; ``compiled_autograd_nofusion``), ddp_fusion (wrapper
+``bucket_all_reduces_fx``; ``compiled_autograd_nofusion``; on a GPU only,
+``upstream_overlap_scheduling``: Inductor's overlap scheduler with collective bucketing,
+whose estimates need Triton), ddp_fusion (wrapper
 ``concat`` / ``coalesced``, ``comm_dtype``, ``max_in_flight_mb``, PowerSGD, stock torch
 DDP + flag, uncompiled), and the floors: ``compute_eager``, ``compute_only``
 (``torch.compile(model)``), ``compute_compiled_autograd`` (no communication) and
@@ -31,6 +33,8 @@ DDP's (or eager DDP's with the same comm hook).
     python -m bench.step_time --model hf \
         --modes eager_ddp,ddp_optimizer,upstream_python_reducer_concat,ddp_fusion_stock
     python -m bench.step_time --device cuda    # one GPU: world size 1, NCCL
+    python -m bench.step_time --device cuda --model mlp \
+        --modes eager_ddp,ddp_optimizer,upstream_overlap_scheduling,ddp_fusion_concat
     python -m bench.step_time --link 1gbit,2gbit,4gbit,8gbit   # a shaped link (below)
 
 On one GPU, world size 1 measures what fusion costs or saves in kernels and copies, not
@@ -116,10 +120,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
             parser.error("--link shapes the loopback between gloo ranks on CPU; not with --device cuda")
     if args.link and args.sweep:
         parser.error("--link runs one cap per job; not with --sweep")
-    known = list(all_modes())
+    known = all_modes()
     bad = [m for m in (args.modes.split(",") if args.modes else []) if m not in known]
     if bad:
-        parser.error(f"unknown modes {bad}; known: {known}")
+        parser.error(f"unknown modes {bad}; known: {list(known)}")
+    gpu_only = [m for m in (args.modes.split(",") if args.modes else []) if known[m].needs_gpu]
+    if gpu_only and args.device != "cuda":
+        parser.error(f"mode {gpu_only[0]} runs on a GPU only: {known[gpu_only[0]].needs_gpu}")
     if args.link:
         try:
             args.rates = link.parse_rates(args.link)
@@ -154,6 +161,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     caps: list[Any] = [float(c) for c in args.sweep.split(",")] if args.sweep else [args.bucket_cap_mb]
     default_modes = list(report.SWEEP_MODES) if args.sweep else list(all_modes())
+    if args.device != "cuda":
+        skipped = [m for m in default_modes if all_modes()[m].needs_gpu]
+        default_modes = [m for m in default_modes if m not in skipped]
+        if skipped and not args.modes:
+            print(f"bench.step_time: skipping {', '.join(skipped)} (GPU only)", flush=True)
     modes = args.modes.split(",") if args.modes else default_modes
     if args.sweep:
         modes += [f for f in ("compute_only", "comm_only") if f not in modes]

@@ -13,10 +13,11 @@ See README.md, docs/user-guide.md and docs/design.md.
 # (config.check_env). ``_torch.check_torch()`` runs before ddp_fusion first touches
 # internals (``enabled`` set in code, a model built, the pass run), and names any
 # internal this torch lacks.
-from . import _install, passes
+from . import _install, comm_hooks, ops, passes, plan_check
 from . import config as _config_module
 from .comm_hooks import CommHookError
 from .config import config
+from .host_group import HostGroupError
 from .log import log as _log
 from .ops import all_reduce_gradient
 from .plan_check import PlanMismatchError
@@ -26,12 +27,28 @@ from .wrapper import DistributedDataParallel
 __all__ = [
     "CommHookError",
     "DistributedDataParallel",
+    "HostGroupError",
     "PlanMismatchError",
     "SettingsMismatchError",
     "all_reduce_gradient",
     "config",
     "passes",
+    "pending",
 ]
+
+
+def pending() -> dict[str, int]:
+    """ddp_fusion's per-step state still held: empty between steps, once every backward
+    has completed. A backward that failed halfway may leave some; the next one clears it.
+
+    Returns:
+        Counts by kind, only those above 0: ``"gathered buckets"`` (kept ``.grad``s
+        gathered into a buffer whose wait has not run), ``"plan checks"`` (started, not
+        collected), ``"comm hooks in flight"`` (a hook's bucket not yet waited for).
+    """
+    counts = {"gathered buckets": ops.pending(), "plan checks": plan_check.pending(),
+              "comm hooks in flight": comm_hooks.pending()}
+    return {kind: n for kind, n in counts.items() if n}
 
 def _apply_environment() -> None:
     for name, error in _config_module.apply_env().items():  # before on_change: installs nothing

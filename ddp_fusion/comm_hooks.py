@@ -194,6 +194,12 @@ class CommHook:
                 _in_flight.pop()
 
 
+def pending() -> int:
+    """Comm hook calls whose bucket has not been waited for: none between steps (see
+    ``ddp_fusion.pending``)."""
+    return len(_in_flight)
+
+
 def drop_in_flight() -> None:
     """Forget a hook left in flight by a backward that failed halfway (a backward that
     completes has waited for all of its own). Called when a backward starts."""

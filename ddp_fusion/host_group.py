@@ -27,18 +27,38 @@ the same on every rank, so a caller can start one and collect it later (the plan
 starts at the beginning of backward and waits where the first bucket is issued). A
 peer that never comes fails the exchange after the model group's timeout.
 
-The gloo group is made without any collective (no other rank needs to be there): over
-the default store, under a prefix named after the model's group, and it connects lazily,
-each rank only to the peers it exchanges with (``O(log N)`` of them), not to every rank.
+The gloo group is made over the default store, under a prefix named after the model's
+group, and connects lazily, each rank only to the peers it exchanges with (``O(log N)``
+of them), not to every rank. Making it is collective (every rank of the group makes its
+host group where it builds its model): each rank says in the store where it listens
+and counts itself in; once every rank has (within the group's timeout: a rank may come
+late), the ranks run one exchange, which makes every connection a rank will use, bounded
+by :data:`CONNECT_TIMEOUT_S`, not by the group's timeout. A rank that cannot make its
+end, or ranks that cannot connect (gloo listens on the address the host's name resolves
+to, unless ``GLOO_SOCKET_IFNAME`` names an interface: a name that resolves to
+127.0.1.1 cannot be reached from another node), raise :class:`HostGroupError` on every
+rank within seconds, naming the addresses and ``GLOO_SOCKET_IFNAME``.
+
+A host group ends with its process group: when ``destroy_process_group`` unregisters
+the group (c10d's unregister functions are wrapped, through ``_torch.patching``, while
+any host group exists), when the group is garbage, or when a new group of the same name
+takes its place. Its thread stops after the exchanges already asked for, and the gloo
+group (its sockets and threads) goes with it; using it after that raises
+:class:`HostGroupError`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import functools
+import ipaddress
+import os
 import pickle
 import queue
+import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,6 +80,18 @@ FORCE = False
 #: Seconds a rank waits for group rank 0's description of a disagreement.
 REPORT_TIMEOUT_S = 30.0
 
+#: Seconds the ranks of a new host group have to connect, once every rank has made its
+#: end (at most the group's timeout).
+CONNECT_TIMEOUT_S = 10.0
+
+#: Seconds ``destroy_process_group`` waits for the threads of the host groups it ends.
+END_WAIT_S = 2.0
+
+
+class HostGroupError(RuntimeError):
+    """A host group could not be made or connected, or was used after its process group
+    ended."""
+
 
 def has_peers(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` has other ranks to exchange with (not size 1, not the ``fake``
@@ -80,13 +112,99 @@ class HostGroup:
             self.global_ranks = list(range(self.size))
         self.prefix = prefix
         self.timeout: datetime.timedelta = _torch.distributed.group_timeout(group)
-        self._pg = _torch.distributed.lazy_gloo_group(prefix, self.rank, self.size, self.timeout)
         self._tickets = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._ended: str | None = None
+        connect_s = min(CONNECT_TIMEOUT_S, self.timeout.total_seconds())
+        # The thread holds the only reference to the gloo group: when it stops, the
+        # group (its sockets, its threads) goes.
         self._thread = threading.Thread(
-            target=_serve, args=(self._jobs,), name=f"ddp_fusion host group {self.group_name}", daemon=True
+            target=_serve, args=(self._jobs, self._make(connect_s)),
+            name=f"ddp_fusion host group {self.group_name}", daemon=True,
         )
         self._thread.start()
+        try:
+            self._connect(connect_s)
+        except BaseException:
+            self.end("it could not connect")
+            raise
+
+    def _make(self, connect_s: float) -> Any:
+        """This rank's end of the gloo group, once every rank has made its own (or the
+        group's timeout has passed: :class:`HostGroupError`)."""
+        store = _torch.distributed.default_store()
+        base = f"{self.prefix}/connect"
+        store.set(f"{base}/where/{self.rank}", _where())
+        try:
+            pg = _torch.distributed.lazy_gloo_group(
+                self.prefix, self.rank, self.size, datetime.timedelta(seconds=connect_s))
+            failed = None
+        except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+            failed = e
+            store.set(f"{base}/failed", f"group rank {self.rank} ({_where()}) could not make its end of "
+                                        f"the gloo group: {type(e).__name__}: {e}")
+        if store.add(f"{base}/arrived", 1) == self.size:
+            store.set(f"{base}/all", "1")
+        if failed is not None:
+            raise HostGroupError(self._cannot(store.get(f"{base}/failed").decode())) from failed
+        try:
+            store.wait([f"{base}/all"], self.timeout)
+        except Exception as e:
+            arrived = store.add(f"{base}/arrived", 0)
+            raise HostGroupError(
+                f"ddp_fusion: only {arrived} of the {self.size} ranks of process group "
+                f"{self.group_name!r} made their host group (where they build a ddp_fusion model "
+                f"on it) within the group's timeout ({self.timeout}): a rank died, or does not "
+                "build the model"
+            ) from e
+        if store.check([f"{base}/failed"]):
+            raise HostGroupError(self._cannot(store.get(f"{base}/failed").decode()))
+        return pg
+
+    def _connect(self, connect_s: float) -> None:
+        """One exchange, which connects this rank to every peer it will exchange with;
+        :class:`HostGroupError` if it does not complete within ``connect_s``."""
+        timeout = datetime.timedelta(seconds=connect_s)
+        exchange = self._submit(lambda pg: self._max(pg, np.zeros(1, dtype=np.int64), timeout))
+        try:
+            exchange.result(timeout=connect_s)
+            return
+        except concurrent.futures.TimeoutError:
+            why = f"no answer within {connect_s:g} s"
+        except Exception as e:  # noqa: BLE001 - gloo's error, in the message
+            why = f"{type(e).__name__}: {e}"
+        store = _torch.distributed.default_store()
+        peers = [f"group rank {p} ({store.get(f'{self.prefix}/connect/where/{p}').decode()})"
+                 for p in _peers(self.rank, self.size)]
+        raise HostGroupError(self._cannot(
+            f"group rank {self.rank} ({_where()}) could not exchange with "
+            f"{', '.join(peers)} ({why})"))
+
+    def _cannot(self, what: str) -> str:
+        return (
+            f"ddp_fusion: the host group of process group {self.group_name!r} (a gloo group "
+            f"over its ranks for ddp_fusion's cross-rank checks, on the CPU) cannot connect: "
+            f"{what}. gloo listens on the address that the host's name resolves to, unless "
+            "GLOO_SOCKET_IFNAME names the network interface to use: on a cluster, set "
+            "GLOO_SOCKET_IFNAME on every rank to an interface the other nodes reach (the one "
+            "NCCL_SOCKET_IFNAME names, say), and check that the nodes reach each other over TCP"
+        )
+
+    @property
+    def ended(self) -> bool:
+        """Whether the host group has ended (its process group is gone)."""
+        return self._ended is not None
+
+    def end(self, why: str, wait_s: float = 0.0) -> None:
+        """End the host group: no exchange can be asked for any more; the thread stops
+        after those asked for (waited for up to ``wait_s``), and the gloo group with it."""
+        with self._lock:
+            if self._ended is None:
+                self._ended = why
+                self._jobs.put(None)
+        if wait_s > 0 and threading.current_thread() is not self._thread:
+            self._thread.join(wait_s)
 
     def ranks(self, ranks: Sequence[int]) -> str:
         """Group ranks as a user reads them: ``0-3, 7``, with their global ranks
@@ -101,16 +219,24 @@ class HostGroup:
         self._tickets += 1
         return self._tickets
 
-    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    def _submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(gloo group)`` on the group's thread."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, future))
+        with self._lock:
+            if self._ended is not None:
+                raise HostGroupError(
+                    f"ddp_fusion: the host group of process group {self.group_name!r} has ended "
+                    f"({self._ended}); a model built on that group cannot run any more: build it "
+                    "again on the group that replaces it"
+                )
+            self._jobs.put((fn, future))
         return future
 
     def max_async(self, values: Sequence[int]) -> concurrent.futures.Future:
         """Start the element-wise max of ``values`` (int64) over the ranks; the future's
         result is a list of ints."""
         mine = np.array(values, dtype=np.int64)
-        return self._submit(lambda: self._max(mine))
+        return self._submit(lambda pg: self._max(pg, mine, self.timeout))
 
     def max(self, values: Sequence[int]) -> list[int]:
         """The element-wise max of ``values`` (int64) over the ranks (blocks)."""
@@ -123,69 +249,107 @@ class HostGroup:
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Group rank ``src``'s ``obj`` (picklable), on every rank (blocks)."""
-        return self._submit(lambda: self._broadcast(obj, src)).result()
+        return self._submit(lambda pg: self._broadcast(pg, obj, src)).result()
 
-    def report(self, topic: str, ticket: int, mine: str, describe: Callable[[list[str]], str]) -> str:
+    def report(self, topic: str, ticket: int, mine: str, describe: Callable[[dict[int, str]], str]) -> str:
         """What group rank 0 makes of every rank's ``mine``: ``describe(payloads)``, the
-        payloads in group rank order. Call it on every rank, with a ``ticket`` taken for
-        the exchange that found the disagreement. For error paths only."""
-        store = _torch.distributed.default_store()
+        payloads by group rank. Call it on every rank, with a ``ticket`` taken for the
+        exchange that found the disagreement. For error paths only. Where group rank 0
+        does not describe it within :data:`REPORT_TIMEOUT_S` (it left, or is stuck), or
+        the store fails, a rank describes its own side: ``describe({rank: mine})``, and
+        says so."""
         base = f"{self.prefix}/report/{topic}/{ticket}"
-        store.set(f"{base}/{self.rank}", mine)
         key = f"{base}/described"
-        if self.rank == 0:
-            payloads = [v.decode() for v in store.multi_get([f"{base}/{r}" for r in range(self.size)])]
-            try:
-                text = describe(payloads)
-            except Exception as e:  # noqa: BLE001 - the ranks must still hear something
-                text = f"(describing it failed: {type(e).__name__}: {e})"
-            store.set(key, text)
-            return text
         try:
+            store = _torch.distributed.default_store()
+            store.set(f"{base}/{self.rank}", mine)
+            if self.rank == 0:
+                got = store.multi_get([f"{base}/{r}" for r in range(self.size)])
+                text = _described(describe, {r: v.decode() for r, v in enumerate(got)})
+                store.set(key, text)
+                return text
             store.wait([key], datetime.timedelta(seconds=REPORT_TIMEOUT_S))
-        except Exception:  # noqa: BLE001 - rank 0 gone or stuck: say what this rank knows
-            return f"(group rank 0 did not describe it within {REPORT_TIMEOUT_S:.0f} s; this rank: {mine})"
-        return store.get(key).decode()
+            return store.get(key).decode()
+        except Exception as e:  # noqa: BLE001 - rank 0 gone or stuck: say what this rank knows
+            why = (f"group rank 0 did not describe the other ranks within {REPORT_TIMEOUT_S:g} s"
+                   if self.rank != 0 else f"the store failed: {type(e).__name__}: {e}")
+            return (f"{_described(describe, {self.rank: mine})}\n"
+                    f"  ({why}: this is group rank {self.rank}'s side only)")
 
     # -- on the group's thread ------------------------------------------------------
-    def _max(self, mine: np.ndarray) -> list[int]:
-        rank, size, pg = self.rank, self.size, self._pg
+    def _max(self, pg: Any, mine: np.ndarray, timeout: datetime.timedelta) -> list[int]:
+        rank, size = self.rank, self.size
         buf = torch.from_numpy(mine)  # host-side on purpose: the gloo group's own tensors
         got = torch.empty_like(buf)
         values, received = buf.numpy(), got.numpy()
         p = 1 << (size.bit_length() - 1)  # the largest power of two <= size
+        # (every wait is given the timeout: the gloo group's own bounds connections)
         if rank >= p:  # fold into rank - p, then take its result
-            pg.send([buf], rank - p, 0).wait()
-            pg.recv([buf], rank - p, 0).wait()
+            pg.send([buf], rank - p, 0).wait(timeout)
+            pg.recv([buf], rank - p, 0).wait(timeout)
             return values.tolist()
         if rank + p < size:
-            pg.recv([got], rank + p, 0).wait()
+            pg.recv([got], rank + p, 0).wait(timeout)
             np.maximum(values, received, out=values)
         mask = 1
         while mask < p:
             peer = rank ^ mask
             send, recv = pg.send([buf], peer, 0), pg.recv([got], peer, 0)
-            send.wait()
-            recv.wait()
+            send.wait(timeout)
+            recv.wait(timeout)
             np.maximum(values, received, out=values)
             mask <<= 1
         if rank + p < size:
-            pg.send([buf], rank + p, 0).wait()
+            pg.send([buf], rank + p, 0).wait(timeout)
         return values.tolist()
 
-    def _broadcast(self, obj: Any, src: int) -> Any:
+    def _broadcast(self, pg: Any, obj: Any, src: int) -> Any:
         if self.size == 1:
             return obj
         opts = dist.BroadcastOptions()
         opts.rootRank = src
+        opts.timeout = self.timeout
         data = pickle.dumps(obj) if self.rank == src else b""
         length = torch.tensor([len(data)], dtype=torch.int64, device="cpu")  # host-side on purpose
-        self._pg.broadcast([length], opts).wait()
+        pg.broadcast([length], opts).wait()
         n = int(length.numpy()[0])
         payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src
                    else torch.empty(n, dtype=torch.uint8, device="cpu"))  # host-side on purpose
-        self._pg.broadcast([payload], opts).wait()
+        pg.broadcast([payload], opts).wait()
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+
+
+def _described(describe: Callable[[dict[int, str]], str], payloads: dict[int, str]) -> str:
+    try:
+        return describe(payloads)
+    except Exception as e:  # noqa: BLE001 - the ranks must still hear something
+        return f"(describing it failed: {type(e).__name__}: {e})"
+
+
+def _peers(rank: int, size: int) -> list[int]:
+    """The group ranks :meth:`HostGroup.max` exchanges with, from ``rank``."""
+    p = 1 << (size.bit_length() - 1)
+    if rank >= p:
+        return [rank - p]
+    folded = [rank + p] if rank + p < size else []
+    return folded + [rank ^ (1 << i) for i in range(p.bit_length() - 1)]
+
+
+def _where() -> str:
+    """Where this rank's gloo group listens, as gloo picks it: the interface
+    ``GLOO_SOCKET_IFNAME`` names, else the address the host's name resolves to."""
+    host = socket.gethostname()
+    ifname = os.environ.get(_torch.distributed.GLOO_SOCKET_IFNAME)
+    if ifname:
+        return f"host {host}, interface {ifname} from GLOO_SOCKET_IFNAME"
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"host {host}, whose name does not resolve ({e}): gloo then listens on 127.0.0.1"
+    addresses = list(dict.fromkeys(str(a[4][0]) for a in found))
+    loopback = all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+    return (f"host {host}, address {', '.join(addresses)}"
+            + (" (loopback: no other host can reach it)" if loopback else ""))
 
 
 def _ranges(ranks: Sequence[int]) -> str:
@@ -198,13 +362,17 @@ def _ranges(ranks: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def _serve(jobs: queue.SimpleQueue) -> None:
+def _serve(jobs: queue.SimpleQueue, pg: Any) -> None:
+    """The group's thread: run each job on ``pg`` until the end (None)."""
     while True:
-        fn, future = jobs.get()
+        job = jobs.get()
+        if job is None:
+            return  # (and ``pg``, the only reference to the gloo group, goes)
+        fn, future = job
         if not future.set_running_or_notify_cancel():
             continue
         try:
-            future.set_result(fn())
+            future.set_result(fn(pg))
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             future.set_exception(e)
 
@@ -212,20 +380,57 @@ def _serve(jobs: queue.SimpleQueue) -> None:
 # group name -> (weak reference to the group, its host group)
 _groups: dict[str, tuple[weakref.ref, HostGroup]] = {}
 _made: dict[str, int] = {}
+_lock = threading.RLock()  # (a weak reference's callback may run in any thread)
+#: c10d's unregister functions, wrapped while any host group lives (see ``_unregistered``)
+_patches = _torch.patching.Patches()
 
 
 def of(group: dist.ProcessGroup) -> HostGroup | None:
     """``group``'s host group (made the first time; None for a group without peers,
     unless :data:`FORCE`, and always for the ``fake`` backend). A group made again under
-    the same name (a new ``init_process_group``) gets a new one."""
+    the same name (a new ``init_process_group``) gets a new one, and the old one ends.
+    Making one is collective (module docstring): :class:`HostGroupError` if the ranks
+    cannot make it or connect it."""
     if not (has_peers(group) or (FORCE and dist.get_backend(group) != "fake")):
         return None
     name = _torch.distributed.ensure_group_name(group)
-    known = _groups.get(name)
-    if known is not None and known[0]() is group:
-        return known[1]
-    # numbered per name: every rank makes its groups in the same order
-    _made[name] = _made.get(name, 0) + 1
-    host = HostGroup(group, f"ddp_fusion/host/{name}/{_made[name]}")
-    _groups[name] = (weakref.ref(group), host)
+    with _lock:
+        known = _groups.get(name)
+        if known is not None and known[0]() is group:
+            return known[1]
+        if known is not None:
+            _end(name, "a new process group of its name replaced it")
+        # numbered per name: every rank makes its groups in the same order
+        _made[name] = _made.get(name, 0) + 1
+        host = HostGroup(group, f"ddp_fusion/host/{name}/{_made[name]}")
+        gone = functools.partial(_gone, name, host)
+        _groups[name] = (weakref.ref(group, gone), host)
+        _torch.distributed.on_groups_unregistered(_patches, _unregistered)
+        return host
+
+
+def _end(name: str, why: str) -> HostGroup:
+    with _lock:
+        _, host = _groups.pop(name)
+        if not _groups:
+            _patches.restore()
+    host.end(why)
     return host
+
+
+def _gone(name: str, host: HostGroup, _ref: weakref.ref) -> None:
+    """The group is garbage: its host group ends (if it is still the one of its name)."""
+    with _lock:
+        known = _groups.get(name)
+        if known is not None and known[1] is host:
+            _end(name, "its process group is gone")
+
+
+def _unregistered(name: str | None) -> None:
+    """c10d unregistered the group ``name`` (None: every group): destroy_process_group."""
+    with _lock:
+        hosts = [_end(n, "destroy_process_group destroyed its process group")
+                 for n in [n for n in _groups if name is None or n == name]]
+    deadline = time.monotonic() + END_WAIT_S  # (each thread stops once idle; gloo's go with it)
+    for host in hosts:
+        host.end("", max(1e-3, deadline - time.monotonic()))

@@ -201,6 +201,12 @@ _gathered: dict[tuple[int, ...], torch.Tensor] = {}
 _told_gathered: list[bool] = []
 
 
+def pending() -> int:
+    """Buckets of kept ``.grad``s gathered into a buffer whose wait has not run: none
+    between steps (see ``ddp_fusion.pending``)."""
+    return len(_gathered)
+
+
 def _memory(t: torch.Tensor) -> torch.Tensor:
     """A dense tensor's memory as a 1-D view (an all-reduce is elementwise, so the
     order of the elements does not matter); a contiguous tensor as itself."""
@@ -242,6 +248,55 @@ def _one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:
         return None  # (adjacent memory of another allocation)
     return first.as_strided((numel,), (1,), first.storage_offset())
 
+
+# -- a bucket's collective and its wait (passes/concat.py, passes/coalesced.py) -----------
+#
+# ``_c10d_functional``'s all_reduce_ / all_reduce_coalesced_ / wait_tensor, as ddp_fusion
+# ops that mutate the bucket in place and are tagged cudagraph-unsafe: Inductor lowers
+# them as it lowers the functional collectives (one call on the bucket's buffer, no
+# copy), and under mode="reduce-overhead" partitions the graph around them, so a CUDA
+# graph never captures a bucket's collective or its wait (where NCCL's watchdog and the
+# flight recorder could not see it, and its buffer would live in the graph's pool).
+# Defined with torch.library directly, not custom_op: a mutating custom_op costs about
+# 40 us of Python per call, these about 5 us.
+_lib = torch.library.Library("ddp_fusion", "FRAGMENT")
+_lib.define("all_reduce_bucket(Tensor(a!) flat, str group_name) -> ()", tags=CUDAGRAPH_UNSAFE)
+_lib.define("all_reduce_bucket_coalesced(Tensor(a!)[] tensors, str group_name) -> ()", tags=CUDAGRAPH_UNSAFE)
+_lib.define("wait_bucket(Tensor(a!)[] tensors) -> ()", tags=CUDAGRAPH_UNSAFE)
+
+
+def _all_reduce_bucket(flat: torch.Tensor, group_name: str) -> None:
+    """Issue the sum of a bucket's flat buffer over ``group_name``, in place, without
+    waiting (:func:`_wait_bucket` waits)."""
+    _torch.distributed.c10d_functional.all_reduce_(flat, "sum", group_name)
+
+
+def _all_reduce_bucket_coalesced(tensors: list[torch.Tensor], group_name: str) -> None:
+    """Issue the sum of a bucket's tensors over ``group_name`` in one coalesced
+    collective, in place, without waiting."""
+    _torch.distributed.c10d_functional.all_reduce_coalesced_(tensors, "sum", group_name)
+
+
+def _wait_bucket(tensors: list[torch.Tensor]) -> None:
+    """Wait for the collective issued on ``tensors`` (the functional collectives keep a
+    collective's work by storage)."""
+    seen = set()
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            _torch.distributed.c10d_functional.wait_tensor(t)
+
+
+for _name, _impl in (("all_reduce_bucket", _all_reduce_bucket),
+                     ("all_reduce_bucket_coalesced", _all_reduce_bucket_coalesced),
+                     ("wait_bucket", _wait_bucket)):
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"ddp_fusion::{_name}", lambda *args: None, lib=_lib)
+
+ALL_REDUCE_BUCKET = torch.ops.ddp_fusion.all_reduce_bucket.default
+ALL_REDUCE_BUCKET_COALESCED = torch.ops.ddp_fusion.all_reduce_bucket_coalesced.default
+WAIT_BUCKET = torch.ops.ddp_fusion.wait_bucket.default
 
 ALL_REDUCE_IN_PLACE = torch.ops.ddp_fusion.all_reduce_in_place.default
 WAIT_IN_PLACE = torch.ops.ddp_fusion.wait_in_place.default

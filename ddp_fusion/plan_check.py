@@ -63,6 +63,12 @@ _published: set[str] = set()
 _pending: dict[tuple[str, str], tuple[host_group.HostGroup, int, concurrent.futures.Future]] = {}
 
 
+def pending() -> int:
+    """Plan checks started whose guard has not collected them: none between steps (see
+    ``ddp_fusion.pending``)."""
+    return len(_pending)
+
+
 def _group(group_name: str) -> dist.ProcessGroup:
     group = _torch.distributed.resolve_process_group(group_name)
     if group is None:
@@ -113,7 +119,7 @@ def plan_guard(
         top, neg_bottom = _outcome(exchange, group_name)
         h = _plan_hash(plan)
         if not (top == h and -neg_bottom == h):
-            raise PlanMismatchError(describe_mismatch(host, ticket, group_name, h))
+            raise PlanMismatchError(describe_mismatch(host, ticket, group_name, h, plan))
     return torch.full((), _divisor(group, reduce_op), dtype=torch.float32, device=device)
 
 
@@ -259,19 +265,23 @@ def _report_plan(group_name: str, plan: str) -> None:
 JOINED = "joined"
 
 
-def describe_mismatch(host: host_group.HostGroup, ticket: int, group_name: str, mine: int | None) -> str:
+def describe_mismatch(host: host_group.HostGroup, ticket: int, group_name: str, mine: int | None,
+                      plan: str | None = None) -> str:
     """Every rank's side of a failed plan check (``mine``: this rank's plan hash, None
-    for a joined rank), described by group rank 0 from the store."""
+    for a joined rank; ``plan``: its plan), described by group rank 0 from the store (or
+    this rank's side alone, where group rank 0 cannot)."""
+    known = {} if mine is None or plan is None else {str(mine): plan}
     return host.report("plan", ticket, JOINED if mine is None else str(mine),
-                       lambda payloads: _describe(group_name, payloads, host.ranks))
+                       lambda payloads: _describe(group_name, payloads, host.ranks, known))
 
 
-def _describe(group_name: str, payloads: Sequence[str],
-              show_ranks: Callable[[Sequence[int]], str] = str) -> str:
-    """The ranks' plans (hashes, or :data:`JOINED`), grouped by plan: which ranks run
-    what, and which gradients some ranks lack."""
+def _describe(group_name: str, payloads: dict[int, str],
+              show_ranks: Callable[[Sequence[int]], str] = str, known: dict[str, str] | None = None) -> str:
+    """The ranks' plans (hashes, or :data:`JOINED`; by group rank), grouped by plan:
+    which ranks run what, and which gradients some ranks lack. ``known``: plans by hash
+    that need not be read from the store."""
     ranks_of: dict[str, list[int]] = {}
-    for rank, p in enumerate(payloads):
+    for rank, p in sorted(payloads.items()):
         ranks_of.setdefault(p, []).append(rank)
     lines = [
         f"ddp_fusion: ranks of process group {group_name!r} compiled different gradient "
@@ -279,7 +289,8 @@ def _describe(group_name: str, payloads: Sequence[str],
         "parameter gets a gradient on some ranks only (unused in this step's forward), "
         "or the ranks run different code or models."
     ]
-    plans = {p: parse(published_plan(int(p))).buckets for p in ranks_of if p != JOINED}
+    known = known or {}
+    plans = {p: parse(known.get(p) or published_plan(int(p))).buckets for p in ranks_of if p != JOINED}
     names = {p: {n for b in buckets for n in b.grads} for p, buckets in plans.items()}
     everyone = set.union(*names.values()) if names else set()
     for p, ranks in ranks_of.items():

@@ -76,9 +76,9 @@ def _param(p: list[Any]) -> str:
     return f"{name!r} {tuple(shape)} {dtype}{'' if requires_grad else ' requires_grad=False'}"
 
 
-def _describe(who: str, when: str, host: HostGroup, payloads: list[str]) -> str:
+def _describe(who: str, when: str, host: HostGroup, payloads: dict[int, str]) -> str:
     ranks_of: dict[str, list[int]] = {}
-    for rank, diff in enumerate(payloads):
+    for rank, diff in sorted(payloads.items()):
         if diff:
             ranks_of.setdefault(diff, []).append(rank)
     lines = [

@@ -38,6 +38,15 @@ def test_unknown_mode_is_refused_with_the_known_ones(capsys):
     assert "ddp_fusion_concatt" in err and "ddp_fusion_coalesced" in err
 
 
+def test_a_gpu_only_mode_is_refused_on_the_cpu_by_name(capsys):
+    """Upstream's overlap scheduler estimates runtimes with Triton: GPU only."""
+    with pytest.raises(SystemExit) as e:
+        _main("--modes", "eager_ddp,upstream_overlap_scheduling")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "upstream_overlap_scheduling runs on a GPU only" in err and "--device cuda" in err
+
+
 def test_world_sizes():
     assert world_size("mlp", "cpu") == 2
     assert world_size("mlp_tp", "cpu") == 4

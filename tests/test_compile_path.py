@@ -56,8 +56,8 @@ def test_fused_backward_matches_unfused(unfused_grads, algorithm, tmp_path):
     assert counters["ddp_fusion"]["fused_all_reduces"] == 2 * 6
     assert counters["ddp_fusion"]["buckets"] == 2 * 2
     first, second = [p.read_text() for p in sorted(tmp_path.glob("*.after.txt"))]
-    # the graph Inductor lowers: its collectives re-inplaced (no copy of the buckets)
-    op = "all_reduce_coalesced_.default" if algorithm == "coalesced" else "all_reduce_.default"
+    # the graph Inductor lowers: each bucket's collective in place on it (no copy of it)
+    op = "all_reduce_bucket_coalesced.default" if algorithm == "coalesced" else "all_reduce_bucket.default"
     assert first.count(op) == 2
     # accumulation into the .grads of step 1: each bucket reduced in place in them
     assert second.count("ddp_fusion.all_reduce_in_place.default(") == 2
@@ -186,8 +186,8 @@ def test_waits_stay_after_the_backward_compute_they_overlap(monkeypatch, tmp_pat
     code = [p.read_text() for p in tmp_path.rglob("*.py") if "all_reduce_" in p.read_text()]
     assert len(code) == 1
     call = code[0].split("def call(")[1]
-    issue = "torch.ops._c10d_functional.all_reduce_.default("
-    wait = "torch.ops._c10d_functional.wait_tensor.default("
+    issue = "torch.ops.ddp_fusion.all_reduce_bucket.default("
+    wait = "torch.ops.ddp_fusion.wait_bucket.default("
     assert call.count(issue) == call.count(wait) > 4
     first_issue, last_issue, first_wait = call.index(issue), call.rindex(issue), call.index(wait)
     assert last_issue < first_wait
@@ -237,7 +237,7 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
             assert f"empty_strided_cpu(({numel}, )" not in call  # no bucket buffer
         assert "cpp_fused_copy" not in call and "_c10d_functional" not in call  # no copy back
         return
-    buckets = re.findall(r"all_reduce_\.default\((buf\d+), 'sum'", call)
+    buckets = re.findall(r"all_reduce_bucket\.default\((buf\d+), '0'\)", call)
     assert len(buckets) == 2, call
     numels = []
     for buf in buckets:
@@ -245,7 +245,7 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
         numels.append(int(numel))
         # one buffer of the bucket's size: no second, scaled copy of it
         assert len(re.findall(rf"empty_strided_cpu\(\({numel}, \)", call)) == 1, call
-        after_wait = call.split(f"wait_tensor.default({buf})")[1]
+        after_wait = call.split(f"wait_bucket.default([{buf}])")[1]
         readers = [line for line in after_wait.splitlines()
                    if re.search(rf"\b{buf}\b", line) and not line.strip().startswith(("del ", "return "))]
         assert readers == [], readers  # no copy back

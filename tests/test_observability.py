@@ -85,7 +85,7 @@ def test_after_graph_is_the_lowered_one_with_labelled_buckets(runs):
     tmp, _, _ = runs
     (first,) = glob.glob(str(tmp / "dump_cold" / "*_first.after.txt"))
     code = open(first).read()
-    assert "bucket0_all_reduce = torch.ops._c10d_functional.all_reduce_.default(bucket0_cat" in code
+    assert "bucket0_all_reduce = torch.ops.ddp_fusion.all_reduce_bucket.default(bucket0_cat" in code
     assert "bucket1_wait = " in code and "bucket1_split = " in code
     # the steady step accumulates into the first step's .grads: reduced in place there
     (steady,) = glob.glob(str(tmp / "dump_cold" / "*_steady.after.txt"))

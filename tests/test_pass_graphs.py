@@ -22,6 +22,9 @@ from ddp_fusion.passes import fuse_ddp_allreduces
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
 ALL_REDUCE_CHECKED = torch.ops.ddp_fusion.all_reduce_checked.default
 PLAN_GUARD = torch.ops.ddp_fusion.plan_guard.default
+BUCKET = torch.ops.ddp_fusion.all_reduce_bucket.default
+BUCKET_COALESCED = torch.ops.ddp_fusion.all_reduce_bucket_coalesced.default
+WAIT_BUCKET = torch.ops.ddp_fusion.wait_bucket.default
 C10D = torch.ops._c10d_functional
 
 
@@ -94,9 +97,9 @@ def forward(self, x_1, w1_1, w2_1):
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
     bucket0_cat = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
-    bucket0_all_reduce = torch.ops._c10d_functional.all_reduce.default(bucket0_cat, 'sum', '0');  bucket0_cat = None
-    bucket0_wait = torch.ops._c10d_functional.wait_tensor.default(bucket0_all_reduce);  bucket0_all_reduce = None
-    bucket0_split = torch.ops.aten.split_with_sizes.default(bucket0_wait, [15, 5]);  bucket0_wait = None
+    bucket0_all_reduce = torch.ops.ddp_fusion.all_reduce_bucket.default(bucket0_cat, '0');  bucket0_all_reduce = None
+    bucket0_wait = torch.ops.ddp_fusion.wait_bucket.default([bucket0_cat]);  bucket0_wait = None
+    bucket0_split = torch.ops.aten.split_with_sizes.default(bucket0_cat, [15, 5]);  bucket0_cat = None
     getitem = bucket0_split[0]
     view_default_1 = torch.ops.aten.view.default(getitem, [5, 3]);  getitem = None
     getitem_1 = bucket0_split[1];  bucket0_split = None
@@ -118,12 +121,11 @@ def forward(self, x_1, w1_1, w2_1):
     getitem = bucket0_scale[0];  bucket0_scale = None
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "coalesced", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 'avg', device(type='cpu'));  plan_check_start_default = None
     bucket0_scale_checked = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
-    bucket0_all_reduce_coalesced = torch.ops._c10d_functional.all_reduce_coalesced.default([getitem, bucket0_scale_checked], 'sum', '0');  getitem = bucket0_scale_checked = None
-    getitem_1 = bucket0_all_reduce_coalesced[0]
-    bucket0_wait = torch.ops._c10d_functional.wait_tensor.default(getitem_1);  getitem_1 = None
-    getitem_2 = bucket0_all_reduce_coalesced[1];  bucket0_all_reduce_coalesced = None
-    bucket0_wait_1 = torch.ops._c10d_functional.wait_tensor.default(getitem_2);  getitem_2 = None
-    return (bucket0_wait_1, bucket0_wait)""")
+    bucket0_all_reduce_coalesced = torch.ops.ddp_fusion.all_reduce_bucket_coalesced.default([getitem, bucket0_scale_checked], '0');  bucket0_all_reduce_coalesced = None
+    bucket0_wait = torch.ops.ddp_fusion.wait_bucket.default([getitem, bucket0_scale_checked]);  bucket0_wait = None
+    alias_default = torch.ops.aten.alias.default(getitem);  getitem = None
+    alias_default_1 = torch.ops.aten.alias.default(bucket0_scale_checked);  bucket0_scale_checked = None
+    return (alias_default_1, alias_default)""")
 
     def test_kept_grads_are_reduced_in_place(self):
         """Issue 32: gradients accumulated into ``.grad``s that exist before the backward
@@ -158,10 +160,81 @@ def forward(self, x_1, w1_1, w2_1, grad1_1, grad2_1):
 
         gm = trace(fn, torch.randn(4), torch.randn(4))
         fuse(gm, algorithm="concat", schedule_waits=False)
-        FileCheck().check("all_reduce.default").check_next("wait_tensor").run(gm.code)
+        FileCheck().check("all_reduce_bucket.default").check_next("wait_bucket").run(gm.code)
         gm = trace(fn, torch.randn(4), torch.randn(4))
         fuse(gm, algorithm="concat", schedule_waits=True)
-        FileCheck().check("all_reduce.default").check("mul_1").check("wait_tensor").run(gm.code)
+        FileCheck().check("all_reduce_bucket.default").check("mul_1").check("wait_bucket").run(gm.code)
+
+
+def cudagraph_partitions(gm):
+    """The graph as Inductor's graph partitioning cuts it for CUDA graphs
+    (``mode="reduce-overhead"``): runs of ops a CUDA graph may capture, and the ops it
+    never captures (``is_cudagraph_unsafe_fx_node``: what Inductor's ``should_partition``
+    asks of every op, before it fuses kernels)."""
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    lines, run = [], []
+    for n in [n for n in gm.graph.nodes if n.op == "call_function"]:
+        if is_cudagraph_unsafe_fx_node(n):
+            lines += [f"captured: {', '.join(run)}"] if run else []
+            lines.append(f"not captured: {n.name}")
+            run = []
+        else:
+            run.append(n.name)
+    return "\n".join(lines + ([f"captured: {', '.join(run)}"] if run else []))
+
+
+@pytest.mark.usefixtures("fake_pg")
+class TestCudaGraphPartitions(expecttest.TestCase):
+    """Under ``mode="reduce-overhead"`` no collective and no wait of ddp_fusion's is ever
+    captured in a CUDA graph: each is an op Inductor partitions the graph around (a CUDA
+    graph would replay a collective invisibly to NCCL's watchdog and the flight recorder,
+    and keep the bucket in its memory pool). Shown on the CPU with Inductor's own test of
+    an op; on a GPU, tests/test_gpu.py counts the partitions."""
+
+    def check(self, gm):
+        comm = [n for n in gm.graph.nodes if n.op == "call_function"
+                and getattr(n.target, "namespace", None) in ("_c10d_functional", "ddp_fusion")]
+        assert comm and all(f"not captured: {n.name}" in cudagraph_partitions(gm).splitlines() for n in comm)
+        return cudagraph_partitions(gm)
+
+    def test_concat(self):
+        gm = trace(small_backward, *inputs())
+        fuse(gm, algorithm="concat")
+        self.assertExpectedInline(self.check(gm), """\
+not captured: plan_check_start_default
+not captured: plan_divisor_default
+captured: mm, t, mm_1, mul, sum_1, view_default, div_tensor
+not captured: plan_guard_default
+captured: div_tensor_1, bucket0_cat
+not captured: bucket0_all_reduce
+not captured: bucket0_wait
+captured: bucket0_split, getitem, view_default_1, getitem_1""")
+
+    def test_coalesced(self):
+        gm = trace(small_backward, *inputs())
+        fuse(gm, algorithm="coalesced")
+        self.assertExpectedInline(self.check(gm), """\
+not captured: plan_check_start_default
+not captured: plan_divisor_default
+captured: mm, t, mm_1, mul, sum_1, bucket0_scale, getitem
+not captured: plan_guard_default
+captured: bucket0_scale_checked
+not captured: bucket0_all_reduce_coalesced
+not captured: bucket0_wait
+captured: alias_default, alias_default_1""")
+
+    def test_kept_grads(self):
+        gm = trace(kept_backward, *inputs(), torch.zeros(5), torch.zeros(5, 3))
+        fuse(gm, algorithm="concat")
+        self.assertExpectedInline(self.check(gm), """\
+not captured: plan_check_start_default
+not captured: plan_divisor_default
+captured: mm, t, mm_1, add, div_tensor, bucket0_write, mul, sum_1, add_1
+not captured: plan_guard_default
+captured: div_tensor_1, bucket0_write_1
+not captured: bucket0_all_reduce_in_place
+not captured: bucket0_wait""")
 
 
 @pytest.mark.usefixtures("fake_pg")
@@ -212,9 +285,9 @@ class TestInFlightBudget:
         gm = trace(three_buckets, torch.randn(16))
         budget = None if budget_bytes is None else budget_bytes / 2**20
         fuse(gm, algorithm=algorithm, max_in_flight_mb=budget)
-        issue = {C10D.all_reduce.default, C10D.all_reduce_coalesced.default}
+        issue = {BUCKET, BUCKET_COALESCED}
         return ["issue" if n.target in issue else "wait" for n in gm.graph.nodes
-                if n.target in issue or n.target is C10D.wait_tensor.default]
+                if n.target in issue or n.target is WAIT_BUCKET]
 
     @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
     def test_unbounded_all_waits_after_all_issues(self, algorithm):
@@ -256,7 +329,8 @@ class TestWhatIsFused:
         result = fuse(gm, algorithm="concat")
         assert [len(b.grads) for b in result.buckets] == [2]
         after = [n for n in gm.graph.nodes if n.target is C10D.all_reduce.default]
-        assert len(after) == 2 and after[0] is before[0] and after[0].args == tp_args
+        assert after == before and after[0].args == tp_args
+        assert len(gm.graph.find_nodes(op="call_function", target=BUCKET)) == 1
         assert not list(gm.graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT))
 
     def test_plain_functional_all_reduce_is_never_fused(self, fake_pg):
@@ -313,9 +387,7 @@ class TestWhatIsFused:
             [(g0, "float32", "avg", 2), (g0, "bfloat16", "avg", 1),
              (g1, "float32", "avg", 1), (g0, "float32", "sum", 1)]
         )
-        coalesced = gm.graph.find_nodes(
-            op="call_function", target=C10D.all_reduce_coalesced.default
-        )
+        coalesced = gm.graph.find_nodes(op="call_function", target=BUCKET_COALESCED)
         assert len(coalesced) == 4
 
     def test_dependent_gradient_cuts_the_bucket(self):
@@ -346,7 +418,7 @@ class TestWhatIsFused:
         gm = trace(fn, torch.randn(3), torch.randn(3))
         result = fuse(gm, algorithm="concat")
         assert [len(b.grads) for b in result.buckets] == [1 + 1]
-        FileCheck().check("all_reduce.default").check("wait_tensor").check("mul.Tensor(").run(
+        FileCheck().check("all_reduce_bucket.default").check("wait_bucket").check("mul.Tensor(").run(
             gm.code.split("mul_1")[-1]
         )
         a, b = torch.randn(3), torch.randn(3)
@@ -453,10 +525,10 @@ def test_comm_dtype_casts_around_the_collective(algorithm):
     assert sorted(len(b.grads) for b in result.buckets) == [1, 2]
     (fp32_bucket,) = [b for b in result.buckets if b.key.comm_dtype == torch.float32]
     assert len(fp32_bucket.grads) == 2
-    op = "all_reduce_coalesced" if algorithm == "coalesced" else "all_reduce.default"
+    op = "all_reduce_bucket_coalesced" if algorithm == "coalesced" else "all_reduce_bucket.default"
     FileCheck().check("convert_element_type.default").check("torch.float32").check(
         "div"
-    ).check(op).check("wait_tensor").check("convert_element_type.default").check(
+    ).check(op).check("wait_bucket").check("convert_element_type.default").check(
         "torch.bfloat16"
     ).run(gm.code)
     for got, x in zip(gm(*args), args):  # fake group of 2: the mean halves
@@ -546,8 +618,9 @@ def _check_dp_x_tp_backward(dp, tp):
     assert [[g.name for g in b.grads] for b in result.buckets] == [["w2", "w1", "b1"]]
     assert result.buckets[0].key.group_name == dp.group_name
     after = [n for n in gm.graph.nodes if n.target is C10D.all_reduce.default]
-    assert after[:2] == tp_nodes and [n.args for n in after[:2]] == tp_args
-    assert after[2].args[2] == dp.group_name
+    assert after == tp_nodes and [n.args for n in after] == tp_args
+    (bucket,) = gm.graph.find_nodes(op="call_function", target=BUCKET)
+    assert bucket.args[1] == dp.group_name
     torch.testing.assert_close(gm(*args), backward(*args), rtol=0, atol=0)
 
 
@@ -642,7 +715,7 @@ def test_kept_grads_not_reduced_in_place_where_they_cannot_be(caplog, monkeypatc
         with caplog.at_level("INFO", logger="ddp_fusion"):
             fuse(gm, algorithm="concat")
         assert "all_reduce_in_place" not in gm.code, fn
-        FileCheck().check("bucket0_cat").check("all_reduce.default").check("wait_tensor").check(
+        FileCheck().check("bucket0_cat").check("all_reduce_bucket.default").check("wait_bucket").check(
             "copy_.default").run(gm.code)
         assert any(why in r.getMessage() and "copy back" in r.getMessage() for r in caplog.records), why
 
@@ -659,3 +732,15 @@ def test_in_place_buckets_in_flight_keep_their_own_gathered_buffers():
     wait(a)
     wait(b)
     assert a[1].tolist() == [0.0, 1.0, 2.0] and b[1].tolist() == [10.0, 11.0, 12.0, 13.0]
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_pending_reports_a_gathered_bucket_until_its_wait():
+    """``ddp_fusion.pending()``: the per-step state still held, empty between steps."""
+    in_place, wait = torch.ops.ddp_fusion.all_reduce_in_place, torch.ops.ddp_fusion.wait_in_place
+    grads = [torch.ones(3), torch.ones(2)]  # two allocations: gathered into a buffer
+    assert ddp_fusion.pending() == {}
+    in_place(grads, "0", "concat")
+    assert ddp_fusion.pending() == {"gathered buckets": 1}
+    wait(grads)
+    assert ddp_fusion.pending() == {}

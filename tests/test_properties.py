@@ -55,6 +55,8 @@ from ddp_fusion.passes.collectives import BucketKey
 
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
 C10D = torch.ops._c10d_functional
+BUCKET = torch.ops.ddp_fusion.all_reduce_bucket.default
+BUCKET_COALESCED = torch.ops.ddp_fusion.all_reduce_bucket_coalesced.default
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=200, **_COMMON)
@@ -381,12 +383,11 @@ def check_collectives(untagged_before: list, result, algorithm: str, gm) -> None
     for node, args in untagged_before:
         assert node in nodes and node.args == args, f"untagged {node} changed"
     all_reduces = gm.graph.find_nodes(op="call_function", target=C10D.all_reduce.default)
-    coalesced = gm.graph.find_nodes(op="call_function", target=C10D.all_reduce_coalesced.default)
+    assert len(all_reduces) == len(untagged_before)
+    concat = gm.graph.find_nodes(op="call_function", target=BUCKET)
+    coalesced = gm.graph.find_nodes(op="call_function", target=BUCKET_COALESCED)
     n = len(result.buckets)
-    if algorithm == "concat":
-        assert (len(all_reduces), len(coalesced)) == (len(untagged_before) + n, 0)
-    else:
-        assert (len(all_reduces), len(coalesced)) == (len(untagged_before), n)
+    assert (len(concat), len(coalesced)) == ((n, 0) if algorithm == "concat" else (0, n))
 
 
 def check_keys(tagged: dict[str, Tagged], result) -> None:

@@ -31,6 +31,8 @@ REQUIRED = (
     "torch._inductor.config._fuse_ddp_bucket_size",
     "torch._inductor.config._fuse_ddp_communication_passes",
     "torch._inductor.config.bucket_all_reduces_fx",
+    "torch._inductor.config.aten_distributed_optimizations.enable_overlap_scheduling",
+    "torch._inductor.config.aten_distributed_optimizations.collective_bucketing",
     "torch._inductor.config.compile_threads",
     "torch._inductor.config.fx_graph_cache",
     "torch._inductor.graph.GraphLowering.__init__",
@@ -97,6 +99,17 @@ def upstream_ddp_fusion(**changes: Any) -> contextlib.AbstractContextManager[Non
         "_fuse_ddp_bucket_size": cfg._fuse_ddp_bucket_size,
         "_fuse_ddp_communication_passes": list(changes.get("passes", cfg._fuse_ddp_communication_passes)),
         "bucket_all_reduces_fx": changes.get("bucket_all_reduces_fx", "none"),
+    })
+
+
+def overlap_scheduling() -> contextlib.AbstractContextManager[None]:
+    """Inductor's overlap scheduler with collective bucketing on
+    (``aten_distributed_optimizations``: ``enable_overlap_scheduling``,
+    ``collective_bucketing``): it buckets a graph's collectives and places them from its
+    runtime estimates, which benchmark kernels with Triton (a GPU)."""
+    return torch._inductor.config.patch({
+        "aten_distributed_optimizations.enable_overlap_scheduling": True,
+        "aten_distributed_optimizations.collective_bucketing": True,
     })
 
 

@@ -46,6 +46,8 @@ class Mode:
     sized_for_link = False
     """Chooses its buckets for the link it measures at its first compiled step (so on a
     shaped link it is compiled again at each rate)."""
+    needs_gpu = ""
+    """Why the mode runs on a GPU only ("": it runs anywhere)."""
 
     def context(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -125,6 +127,25 @@ class UpstreamPythonReducer(Mode):
         ddp = DDP(model, process_group=pg, bucket_cap_mb=cap, **kw)
         _torch.set_upstream_ddp_fusion(self.inductor.get("fuse", False))
         return torch.compile(ddp)
+
+
+class UpstreamOverlapScheduling(UpstreamPythonReducer):
+    """torch DDP under the python reducer (a functional all-reduce per gradient in the
+    compiled-autograd backward) with Inductor's overlap scheduler bucketing and placing
+    them (``aten_distributed_optimizations``: ``enable_overlap_scheduling``,
+    ``collective_bucketing``): upstream's newest compiled-DDP path, with buckets of its
+    own choosing (the job's cap is ignored)."""
+
+    needs_gpu = ("Inductor's overlap scheduler estimates kernel runtimes with Triton, which a "
+                 "CPU-only torch lacks (it fails importing triton): run it with --device cuda")
+
+    def __init__(self) -> None:
+        super().__init__("upstream_overlap_scheduling")
+
+    def context(self):
+        stack = super().context()
+        stack.enter_context(_torch.overlap_scheduling())
+        return stack
 
 
 class DDPFusion(Mode):
@@ -286,6 +307,7 @@ def all_modes() -> dict[str, Mode]:
         UpstreamPythonReducer("upstream_python_reducer_coalesced", fuse=True, passes=coalesced),
         UpstreamPythonReducer("upstream_bucket_all_reduces_fx", bucket_all_reduces_fx="all"),
         UpstreamPythonReducer("compiled_autograd_nofusion"),
+        UpstreamOverlapScheduling(),
         DDPFusion("concat"),
         DDPFusion("coalesced"),
         DDPFusion("concat", max_in_flight_mb=1),

@@ -241,12 +241,14 @@ def graph_stats(graph: torch.fx.Graph) -> dict[str, int]:
     counted."""
     c10d = _torch.C10D
     in_place = torch.ops.ddp_fusion.all_reduce_in_place.default
+    buckets = {torch.ops.ddp_fusion.all_reduce_bucket.default,
+               torch.ops.ddp_fusion.all_reduce_bucket_coalesced.default}
     collectives = {c10d.all_reduce.default, c10d.all_reduce_.default,
                    c10d.all_reduce_coalesced.default, c10d.all_reduce_coalesced_.default,
-                   torch.ops.ddp_fusion.all_reduce_gradient.default, in_place}
+                   torch.ops.ddp_fusion.all_reduce_gradient.default, in_place, *buckets}
     views = {torch.ops.aten.view.default, torch.ops.aten.split_with_sizes.default,
              torch.ops.aten.permute.default, torch.ops.aten.reshape.default,
-             torch.ops.aten.split.Tensor, operator.getitem}
+             torch.ops.aten.split.Tensor, torch.ops.aten.alias.default, operator.getitem}
     # on the way from a gradient into its bucket: views, the scaling, a cast, a write
     passes = views | {torch.ops.aten.div.Tensor, _torch.FOREACH_DIV,
                       torch.ops.prims.convert_element_type.default, torch.ops.aten.copy_.default}
@@ -265,6 +267,8 @@ def graph_stats(graph: torch.fx.Graph) -> dict[str, int]:
         if not isinstance(n, torch.fx.Node) or depth == 0:
             return False
         if n.target is c10d.wait_tensor.default:
+            return True
+        if any(u.target in buckets for u in n.users):  # ddp_fusion's buckets: reduced in place
             return True
         return n.target in views and reduced(n.args[0], depth - 1)
 

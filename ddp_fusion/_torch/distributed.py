@@ -6,10 +6,13 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import patching
 
 REQUIRED = (
     "torch._C._distributed_c10d._resolve_process_group",
@@ -20,6 +23,8 @@ REQUIRED = (
     "torch.distributed.ProcessGroup._get_backend",
     "torch.distributed.ProcessGroupGloo._Options",
     "torch.distributed.distributed_c10d._get_default_store",
+    "torch.distributed.distributed_c10d._unregister_process_group",
+    "torch.distributed.distributed_c10d._unregister_all_process_groups",
     "torch.distributed._functional_collectives.broadcast",
     "torch.distributed._functional_collectives.wait_tensor",
     "torch.ops._c10d_functional.all_reduce",
@@ -99,23 +104,80 @@ def group_timeout(group: dist.ProcessGroup) -> Any:
     return dist.default_pg_timeout
 
 
+#: The environment variable that names the network interfaces gloo listens on.
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
 def lazy_gloo_group(prefix: str, rank: int, size: int, timeout: Any) -> Any:
     """A gloo process group (a backend object: ``send``, ``recv``, ``broadcast`` on CPU
     tensors, group ranks) of ``size`` ranks over the default store under ``prefix``,
     made without a collective and connecting lazily: each pair of ranks connects at its
     first exchange, so a rank that talks to O(log N) peers holds O(log N) connections
-    (``TORCH_GLOO_LAZY_INIT``'s behaviour, for this group only). Registered nowhere:
-    ``destroy_process_group`` does not know it, and it goes when it is garbage."""
+    (``TORCH_GLOO_LAZY_INIT``'s behaviour, for this group only). It listens on the
+    interfaces ``GLOO_SOCKET_IFNAME`` names (comma-separated), as a gloo group that
+    ``init_process_group`` makes does, else on the address the host's name resolves to.
+    ``timeout`` bounds a connection (gloo retries one for up to five times it) and every
+    wait that is not given its own. Registered nowhere: ``destroy_process_group`` does
+    not know it, and it goes when it is garbage (its threads and sockets with it)."""
     store = dist.PrefixStore(prefix, default_store())
     options = dist.ProcessGroupGloo._Options()
+    # (ProcessGroupGloo's own constructor reads GLOO_SOCKET_IFNAME; create_default_device
+    # does not)
+    interfaces = [i.strip() for i in os.environ.get(GLOO_SOCKET_IFNAME, "").split(",") if i.strip()]
+    gloo = dist.ProcessGroupGloo
     try:
-        device = dist.ProcessGroupGloo.create_default_device(lazy_init=True)
+        devices = ([gloo.create_device(interface=i, lazy_init=True) for i in interfaces]
+                   or [gloo.create_default_device(lazy_init=True)])
     except TypeError:  # a torch without lazy gloo devices: every pair connects now
-        device = dist.ProcessGroupGloo.create_default_device()
-    options._devices = [device]
+        devices = [gloo.create_device(interface=i) for i in interfaces] or [gloo.create_default_device()]
+    options._devices = devices
     options._timeout = timeout
     options._threads = 1
     return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _c10d() -> Any:
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d
+
+
+UNREGISTER_GROUP = patching.Setting(
+    "torch.distributed.distributed_c10d._unregister_process_group",
+    lambda: _c10d()._unregister_process_group,
+    lambda fn: setattr(_c10d(), "_unregister_process_group", fn),
+)
+UNREGISTER_ALL_GROUPS = patching.Setting(
+    "torch.distributed.distributed_c10d._unregister_all_process_groups",
+    lambda: _c10d()._unregister_all_process_groups,
+    lambda fn: setattr(_c10d(), "_unregister_all_process_groups", fn),
+)
+"""What ``destroy_process_group`` calls, as its last step, to unregister a group by name
+(a subgroup) or every group (the default group): c10d has no other notice that a group
+has ended."""
+
+
+def on_groups_unregistered(patches: patching.Patches, callback: Callable[[str | None], None]) -> None:
+    """Until ``patches`` is restored, call ``callback(name)`` after c10d unregisters the
+    group ``name`` (``destroy_process_group(group)``), and ``callback(None)`` after it
+    unregisters every group (``destroy_process_group()``)."""
+
+    def one(original: Callable[[str], None]) -> Callable[[str], None]:
+        def _unregister_process_group(group_name: str) -> None:
+            original(group_name)
+            callback(group_name)
+
+        return _unregister_process_group
+
+    def every(original: Callable[[], None]) -> Callable[[], None]:
+        def _unregister_all_process_groups() -> None:
+            original()
+            callback(None)
+
+        return _unregister_all_process_groups
+
+    patches.wrap(UNREGISTER_GROUP, one)
+    patches.wrap(UNREGISTER_ALL_GROUPS, every)
 
 
 def default_store() -> Any:

@@ -124,10 +124,6 @@ def _cat(mode: Any, op: Any, tensors: Any, dim: int = 0) -> Any:
     return _torch.tensors.fake_empty(mode, tensors[0], numel=sum(t.numel() for t in tensors))
 
 
-def _fresh_contiguous(mode: Any, op: Any, x: Any, *args: Any) -> Any:
-    return _torch.tensors.fake_empty(mode, x) if _strictly_contiguous(x) else None
-
-
 def _convert(mode: Any, op: Any, x: Any, dtype: Any) -> Any:
     return _torch.tensors.fake_empty(mode, x, dtype) if _strictly_contiguous(x) else None
 
@@ -136,12 +132,11 @@ _aten = torch.ops.aten
 _SHORTCUTS: dict[Any, _Shortcut] = {
     _aten.view.default: _view,
     _aten.permute.default: _view,
+    _aten.alias.default: _view,
     _aten.split_with_sizes.default: _view,
     operator.getitem: _getitem,
     _aten.div.Tensor: _scale,
     _aten._foreach_div.Tensor: _scale_all,
     _aten.cat.default: _cat,
-    _torch.distributed.c10d_functional.all_reduce.default: _fresh_contiguous,
-    _torch.distributed.c10d_functional.wait_tensor.default: _fresh_contiguous,
     torch.ops.prims.convert_element_type.default: _convert,
 }

@@ -3,14 +3,18 @@
 Before: as in concat.py. After (inserted right after the last of g1..gn is computed)::
 
     s = _foreach_div([g1 ... gn], divisor)     # divisor: world size, or 1 for "sum"
-    red = _c10d_functional.all_reduce_coalesced(s, "sum", group)
-    r1 = wait_tensor(red[0]) ... rn = wait_tensor(red[n-1])   # moved later by schedule.py
+    ddp_fusion.all_reduce_bucket_coalesced([s1 ... sn], group)   # in place; returns at once
+    ddp_fusion.wait_bucket([s1 ... sn])                           # moved later by schedule.py
+    r1 = alias(s1) ... rn = alias(sn)          # (or the cast back, or the permute back)
 
 No flat buffer and no copy out: the reduced tensors become the gradients; the backend
-still sees one call per bucket. A dense gradient that is not contiguous (channels last)
-is reduced as its contiguous ``permute`` view and permuted back, so it keeps its strides;
-one that is not dense is cloned contiguous. With a ``comm_dtype`` each gradient is cast
-before the division and cast back after its wait.
+still sees one call per bucket. The collective and its wait are ddp_fusion's ops
+(ops.py), tagged cudagraph-unsafe (see concat.py); the views after the wait (or the
+casts back) are what the rest of the graph reads, so every reader follows the wait.
+A dense gradient that is not contiguous (channels last) is reduced as its contiguous
+``permute`` view and permuted back, so it keeps its strides; one that is not dense is
+cloned contiguous. With a ``comm_dtype`` each gradient is cast before the division and
+cast back after the wait.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import operator
 import torch
 import torch.fx
 
-from .. import _torch
+from ..ops import ALL_REDUCE_BUCKET_COALESCED, WAIT_BUCKET
 from ._graph import NodeMaker, memory_order
 from .bucketing import Bucket
 from .collectives import GradAllReduce
@@ -28,7 +32,6 @@ from .schedule import FusedBucket
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-c10d = _torch.distributed.c10d_functional
 
 
 def fuse_coalesced(
@@ -76,24 +79,24 @@ def fuse_coalesced(
             else make(prims.convert_element_type.default, (item, wire_dtype))
             for item in items
         ]
-        collective = make(
-            c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name),
-            name=f"{label}_all_reduce_coalesced",
-        )
-        tails, outputs = [], []
-        for i in range(len(bucket.grads)):
-            item = make(operator.getitem, (collective, i))
-            tail = [item, make(c10d.wait_tensor.default, (item,), name=f"{label}_wait")]
+        collective = make(ALL_REDUCE_BUCKET_COALESCED, (inputs, key.group_name),
+                          name=f"{label}_all_reduce_coalesced")
+        tail = [make(WAIT_BUCKET, (inputs,), name=f"{label}_wait")]
+        outputs = []
+        for i, item in enumerate(inputs):
+            out = item
             if key.comm_dtype is not None:
-                tail.append(
-                    make(prims.convert_element_type.default, (tail[-1], key.dtype))
-                )
+                out = make(prims.convert_element_type.default, (out, key.dtype))
+                tail.append(out)
             if orders[i]:
                 inverse = sorted(range(len(orders[i])), key=orders[i].__getitem__)
-                tail.append(make(aten.permute.default, (tail[-1], inverse)))
-            tails.append(tail)
-            outputs.append(tail[-1])
-    return FusedBucket(bucket, collective, tails, outputs)
+                out = make(aten.permute.default, (out, inverse))
+                tail.append(out)
+            if out is item:  # a node after the wait, so that every reader follows it
+                out = make(aten.alias.default, (item,))
+                tail.append(out)
+            outputs.append(out)
+    return FusedBucket(bucket, collective, [tail], outputs, mutated=inputs)
 
 
 def _order(val: torch.Tensor) -> tuple[int, ...] | None:

@@ -12,10 +12,16 @@ After (inserted right after the last of g1..gn is computed)::
     flat = cat([div(view(g1, [-1]), divisor)   # each gradient scaled as it is copied in:
                 ...                            # Inductor writes g_i / divisor straight
                 div(view(gn, [-1]), checked)]) # into its slice (one pass, one buffer)
-    red  = _c10d_functional.all_reduce(flat, "sum", group)   # in place on flat
-    red  = _c10d_functional.wait_tensor(red)                 # moved later by schedule.py
-    parts = split_with_sizes(red, [numel1 ... numeln])
+    ddp_fusion.all_reduce_bucket(flat, group)  # the sum, in place on flat; returns at once
+    ddp_fusion.wait_bucket([flat])             # moved later by schedule.py
+    parts = split_with_sizes(flat, [numel1 ... numeln])
     r1 = view(parts[0], shape1) ... rn = view(parts[n-1], shapen)   # 1-D: parts[i]
+
+The collective and its wait are ddp_fusion's ops (ops.py: ``_c10d_functional``'s
+``all_reduce_`` and ``wait_tensor`` underneath), tagged cudagraph-unsafe, so that a
+CUDA graph never captures them. They return nothing: the unpacking reads ``flat``, and
+stays after the wait because the whole tail moves as one (schedule.py) and Inductor
+orders reads of a buffer after the op that mutates it.
 
 The reduced gradients are views of the bucket's buffer: nothing is copied back. Each
 ``r_i`` has its gradient's strides (a channels-last gradient is flattened in memory
@@ -38,7 +44,7 @@ import operator
 import torch
 import torch.fx
 
-from .. import _torch
+from ..ops import ALL_REDUCE_BUCKET, WAIT_BUCKET
 from ._graph import NodeMaker, memory_order
 from .bucketing import Bucket
 from .collectives import GradAllReduce
@@ -46,7 +52,6 @@ from .schedule import FusedBucket
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-c10d = _torch.distributed.c10d_functional
 
 
 def fuse_concat(
@@ -73,14 +78,13 @@ def fuse_concat(
                 flat = make(prims.convert_element_type.default, (flat, key.comm_dtype))
             flats.append(make(aten.div.Tensor, (flat, checked if g is last else divisor)))
         flat = make(aten.cat.default, (flats,), name=f"{label}_cat")
-        collective = make(c10d.all_reduce.default, (flat, "sum", group_name or key.group_name),
-                          name=f"{label}_all_reduce")
-        wait = make(c10d.wait_tensor.default, (collective,), name=f"{label}_wait")
-        tail = [wait]
+        collective = make(ALL_REDUCE_BUCKET, (flat, group_name or key.group_name), name=f"{label}_all_reduce")
+        tail = [make(WAIT_BUCKET, ([flat],), name=f"{label}_wait")]
+        reduced = flat
         if key.comm_dtype is not None:
-            wait = make(prims.convert_element_type.default, (wait, key.dtype))
-            tail.append(wait)
-        parts = make(aten.split_with_sizes.default, (wait, [g.numel for g in bucket.grads]),
+            reduced = make(prims.convert_element_type.default, (flat, key.dtype))
+            tail.append(reduced)
+        parts = make(aten.split_with_sizes.default, (reduced, [g.numel for g in bucket.grads]),
                      name=f"{label}_split")
         tail.append(parts)
         outputs = []
@@ -91,7 +95,7 @@ def fuse_concat(
                 tail.append(node)
                 out = node
             outputs.append(out)
-    return FusedBucket(bucket, collective, [tail], outputs)
+    return FusedBucket(bucket, collective, [tail], outputs, mutated=[flat])
 
 
 def _flatten(make: NodeMaker, g: GradAllReduce) -> torch.fx.Node:

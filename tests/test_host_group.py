@@ -1,0 +1,64 @@
+"""Host groups in one process: where group rank 0 cannot describe a disagreement (it
+left, or is stuck), every other rank's error still reads as the error it is: its
+header, then what that rank knows."""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_fusion import _torch, host_group, plan_check, settings_check
+from ddp_fusion.host_group import HostGroup
+from ddp_fusion.plan import BucketPlan, PlannedBucket
+
+
+@pytest.fixture
+def rank1_alone(monkeypatch):
+    """Group rank 1 of 2 of a host group whose group rank 0 never describes anything
+    (a store of its own; the wait for rank 0 cut to 0.2 s)."""
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    monkeypatch.setattr(_torch.distributed, "default_store", lambda: store)
+    monkeypatch.setattr(host_group, "REPORT_TIMEOUT_S", 0.2)
+    host = object.__new__(HostGroup)
+    host.group_name, host.rank, host.size = "0", 1, 2
+    host.global_ranks, host.prefix = [0, 1], "test/host"
+    return host
+
+
+def test_plan_mismatch_keeps_its_header_when_rank_0_is_gone(rank1_alone):
+    bucket = PlannedBucket("0", torch.float32, "cpu", "avg", "concat", ("w2", "w1"), (15, 5))
+    plan = BucketPlan("concat", (bucket,)).to_json()
+    plan_check._publish(plan)
+    text = plan_check.describe_mismatch(rank1_alone, 1, "0", plan_check._plan_hash(plan))
+    first, *rest = text.splitlines()
+    assert first.startswith("ddp_fusion: ranks of process group '0' compiled different gradient bucket plans")
+    assert "  group rank 1: 1 buckets, bytes [80]" in rest, text
+    assert "group rank 0 did not describe the other ranks within 0.2 s" in text, text
+
+
+def test_settings_mismatch_keeps_its_header_when_rank_0_is_gone(rank1_alone, monkeypatch):
+    host = rank1_alone
+    monkeypatch.setattr(host, "ticket", lambda: 1, raising=False)
+    monkeypatch.setattr(host, "agree", lambda value: False, raising=False)
+    rank0 = '{"algorithm": "concat", "bucket_cap_mb": 25}'
+    monkeypatch.setattr(host, "broadcast_object", lambda obj, src=0: rank0, raising=False)
+    with pytest.raises(settings_check.SettingsMismatchError) as e:
+        settings_check.check(host, "the model", "at construction",
+                             {"algorithm": "concat", "bucket_cap_mb": 5})
+    first, *rest = str(e.value).splitlines()
+    assert first.startswith("ddp_fusion: the model: the ranks of process group '0' have different settings "
+                            "at construction"), str(e.value)
+    assert "  group rank 1: bucket_cap_mb is 5 (group rank 0: 25)" in rest, str(e.value)
+    assert "group rank 0 did not describe the other ranks" in str(e.value)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 8])
+def test_peers_are_those_of_the_exchange(size):
+    """Who each rank exchanges with in the host group's max (recursive doubling, the
+    ranks above the largest power of two folded in): each pair from both sides."""
+    peers = {r: host_group._peers(r, size) for r in range(size)}
+    assert all(r in peers[p] for r in peers for p in peers[r])
+    p = 1 << (size.bit_length() - 1)
+    assert all(len(peers[r]) == (p.bit_length() - 1) + (r + p < size) for r in range(p))
