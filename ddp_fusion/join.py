@@ -158,9 +158,9 @@ def shadow_plan(group: dist.ProcessGroup, device: torch.device) -> None:
             name = comm_hooks.group_name(b.hook[0], plan_check.plan_id(plan), b.hook[1])
             funcol.wait_tensor(funcol.all_reduce(flat, "sum", name))
         elif b.algorithm == "coalesced":
-            zeros = [torch.zeros(n, dtype=b.wire_dtype, device=device) for n in b.numels]
+            zeros = [torch.zeros(n, dtype=b.wire_dtype, device=device) for n in b.sent_numels]
             for t in funcol.all_reduce_coalesced(zeros, "sum", group.group_name):
                 funcol.wait_tensor(t)
         else:
-            flat = torch.zeros(sum(b.numels), dtype=b.wire_dtype, device=device)
+            flat = torch.zeros(sum(b.sent_numels), dtype=b.wire_dtype, device=device)
             funcol.wait_tensor(funcol.all_reduce(flat, "sum", group.group_name))

@@ -13,8 +13,11 @@ fused graph), a joined rank replaying the others' plan, the dumps and the logs::
      "unfused": [{"grad": "module.emb.weight", "group": "0", "reason": "..."}]}
 
 A bucket may also carry ``comm_dtype`` (gradients cast for the wire), ``hook`` (``[model
-id, index, count]``: the model's comm hook reduces it) and ``cut`` (why it closed
-before its limit). ``device`` is the device type: the same on every rank.
+id, index, count]``: the model's comm hook reduces it), ``cut`` (why it closed
+before its limit) and ``flags`` (``find_unused_parameters``: the number of used-parameter
+flags, one per gradient, sent after the gradients in the same collective; unused.py).
+``device`` is the device type: the same on every rank. ``bytes`` counts the gradients
+only.
 
 The rule is eager DDP's, after its first-iteration rebuild (``Reducer::rebuild_buckets``
 calling ``compute_bucket_assignment_by_size`` on the gradients in ready order): per key
@@ -159,10 +162,20 @@ class PlannedBucket:
     the model's hooked buckets (``GradBucket.index()``) and how many there are."""
     cut: str | None = None
     """Why the bucket closed before its limit."""
+    flags: int = 0
+    """Used-parameter flags sent after the gradients, one per gradient, or 0
+    (``find_unused_parameters``: the bucket holds every parameter of its part of the
+    model, used on this rank or not; ddp_fusion/unused.py)."""
 
     @property
     def nbytes(self) -> int:
         return sum(self.numels) * self.dtype.itemsize
+
+    @property
+    def sent_numels(self) -> tuple[int, ...]:
+        """The elements of each tensor the bucket's collective sends, in order: each
+        gradient's, then the flags (as one tensor), if any."""
+        return self.numels + ((self.flags,) if self.flags else ())
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -182,6 +195,7 @@ class PlannedBucket:
             "numels": list(self.numels),
             "grads": list(self.grads),
             **({"cut": self.cut} if self.cut else {}),
+            **({"flags": self.flags} if self.flags else {}),
         }
 
     @classmethod
@@ -197,6 +211,7 @@ class PlannedBucket:
             comm_dtype=_dtype(d["comm_dtype"]) if "comm_dtype" in d else None,
             hook=tuple(d["hook"]) if "hook" in d else None,  # type: ignore[arg-type]
             cut=d.get("cut"),
+            flags=d.get("flags", 0),
         )
 
 
