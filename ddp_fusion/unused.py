@@ -205,6 +205,8 @@ def _unused_fixup(
     flags of every bucket of the model in this graph, so that this runs after all of
     them (and after every ``absent_grad`` read the marks)."""
     found = _live(model_id, "unused_fixup")
+    counts = _torch.dynamo.counters()["ddp_fusion"]
+    counts["unused: absent gradients"] += len(indices)
     pending = []
     for index, red, flag in zip(indices, reduced, used):
         param = found.param(index)
@@ -217,7 +219,7 @@ def _unused_fixup(
     if pending:
         # None or a new .grad is a host decision: one read of these flags (eager DDP
         # reads its whole bitmap), only in a step with such a parameter
-        _torch.dynamo.counters()["ddp_fusion"]["unused: host reads"] += 1
+        counts["unused: host reads"] += 1
         seen = torch.cat([flag for *_, flag in pending]).tolist()
         for (param, red, _), count in zip(pending, seen):
             if count > 0:  # used on some rank: the average, as eager DDP gives it

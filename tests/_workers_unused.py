@@ -3,6 +3,7 @@
 same flag (ddp_fusion off, not compiled)."""
 
 import copy
+import time
 
 import torch
 from torch import nn
@@ -66,12 +67,13 @@ class MoE(nn.Module):
 
 
 # Experts the tokens of each rank go to, per step: experts used on one rank only, on
-# both, on neither, changing from step to step.
+# both, on neither, changing from step to step (two patterns, so that each rank compiles
+# two backward graphs, and runs each twice).
 ROUTES = [
     [[0, 0, 1], [1, 2, 2]],
     [[3, 3, 3], [0, 1, 1]],
-    [[2, 0, 2], [2, 2, 2]],
-    [[1, 1, 1], [3, 0, 3]],
+    [[1, 0, 0], [2, 1, 2]],
+    [[3, 3, 3], [1, 1, 0]],
 ]
 
 
@@ -117,11 +119,12 @@ def _train(model, net, batches, set_to_none, before, micro=1, count_last=False):
     return [p.detach().clone() for p in net.parameters()], none_after, collectives
 
 
-def _compare(rank, name, base, wrap, batches, set_to_none, before, micro=1,
-             algorithm="concat", count_last=False):
+def _compare(name, base, wrap, batches, set_to_none, before, micro=1,
+             algorithm="concat", count_last=False, compiled=True):
     """Eager torch DDP (``find_unused_parameters=True``) and the same model wrapped by
-    ``wrap`` with the flag on and compiled; ``before(net, step, micro)`` sets what each
-    forward uses."""
+    ``wrap``, with the flag on and compiled (or neither: the eager bucketed reducer);
+    ``before(net, step, micro)`` sets what each forward uses."""
+    start = time.perf_counter()
     ref_net = copy.deepcopy(base)
     ref = nn.parallel.DistributedDataParallel(ref_net, find_unused_parameters=True, bucket_cap_mb=0.002)
     want, want_none, want_count = _train(ref, ref_net, batches, set_to_none,
@@ -132,8 +135,9 @@ def _compare(rank, name, base, wrap, batches, set_to_none, before, micro=1,
     net = copy.deepcopy(base)
     result = {}
     try:
-        with ddp_fusion.config.patch(enabled=True, algorithm=algorithm):
-            model = torch.compile(wrap(net))
+        with ddp_fusion.config.patch(enabled=compiled, algorithm=algorithm):
+            model = wrap(net)
+            model = torch.compile(model) if compiled else model
             got, got_none, count = _train(model, net, batches, set_to_none,
                                           lambda i, m: before(net, i, m), micro, count_last)
         result.update(
@@ -149,6 +153,7 @@ def _compare(rank, name, base, wrap, batches, set_to_none, before, micro=1,
         eager_buckets=len(ref._get_ddp_logging_data()["bucket_sizes"].split(",")),
         counters={k: v for k, v in counters["ddp_fusion"].items()},
         graph_breaks=sum(counters["graph_break"].values()),
+        seconds=time.perf_counter() - start,
     )
     return name, result
 
@@ -165,41 +170,50 @@ def _replicate(net):
     return replicate(net, find_unused_parameters=True, bucket_cap_mb=0.002)
 
 
-def unused_on_some_ranks(rank, world_size, steps=4):
-    """Each scenario against eager torch DDP; returns ``{scenario: result}``."""
+def _scenarios(rank, steps):
+    """Scenario name -> a function that runs it (``_compare``)."""
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(4, WIDTH, generator=gen) for _ in range(steps)]
     micro_batches = [[torch.randn(4, WIDTH, generator=gen) for _ in range(2)] for _ in range(steps)]
-    out = {}
+    moe_batches = _moe_batches(rank, gen)
 
     def use_b(flag):
         def before(net, step, micro):
             net.use_b = flag(step, micro)
         return before
 
-    # a branch only rank 1 takes, every step; .grad set to None by zero_grad()
-    out.update([_compare(rank, "branch on one rank", Branch(), _wrapper, batches, True,
-                         use_b(lambda s, m: rank == 1))])
-    # a branch rank 0 takes at steps 1 and 2 only, kept .grads, stock DDP + flag, coalesced
-    out.update([_compare(rank, "branch at some steps", Branch(), _stock, batches, False,
-                         use_b(lambda s, m: rank == 0 and s in (1, 2)), algorithm="coalesced")])
-    # mixture of experts: ranks route to different experts at different steps
-    moe_batches = _moe_batches(rank, gen)
-    out.update([_compare(rank, "moe", MoE(), _wrapper, moe_batches, True, lambda *_: None,
-                         count_last=True)])
-    out.update([_compare(rank, "moe, kept .grads", MoE(), _stock, moe_batches, False, lambda *_: None)])
-
-    # requires_grad switched off on rank 1 from step 2 (replicate())
-    def freeze(net, step, micro):
+    def freeze(net, step, micro):  # requires_grad off on rank 1 from step 2
         if rank == 1 and step == 2:
             net.b.weight.requires_grad_(False)
-    out.update([_compare(rank, "requires_grad off on one rank", Branch(), _replicate, batches, False, freeze)])
 
-    # no_sync(): b used in a micro-batch that does not reduce (rank 0, step 1) or in the
-    # one that does (rank 1, step 2) only
-    def accumulate(net, step, micro):
-        net.use_b = (rank == 0 and step == 1 and micro == 0) or (rank == 1 and step == 2 and micro == 1)
-    for set_to_none in (True, False):
-        out.update([_compare(rank, f"no_sync, set_to_none={set_to_none}", Branch(), _wrapper, micro_batches,
-                             set_to_none, accumulate, micro=2)])
-    return out
+    # b used only in a micro-batch that does not reduce (rank 0, step 1: eager DDP counts
+    # it as used in the step) or only in the one that does (rank 1, step 2)
+    accumulate = use_b(lambda s, m: (rank == 0 and s == 1 and m == 0) or (rank == 1 and s == 2 and m == 1))
+    return {
+        # a branch only rank 1 takes; zero_grad() sets .grad to None
+        "branch on one rank": lambda: _compare(
+            "branch on one rank", Branch(), _wrapper, batches, True, use_b(lambda s, m: rank == 1)),
+        # a branch rank 0 takes at steps 1 and 2 only; kept .grads, torch DDP, coalesced
+        "branch at some steps": lambda: _compare(
+            "branch at some steps", Branch(), _stock, batches, False,
+            use_b(lambda s, m: rank == 0 and s in (1, 2)), algorithm="coalesced"),
+        "moe": lambda: _compare("moe", MoE(), _wrapper, moe_batches, True, lambda *_: None, count_last=True),
+        "moe, kept .grads": lambda: _compare("moe, kept .grads", MoE(), _stock, moe_batches, False,
+                                             lambda *_: None),
+        "requires_grad off on one rank": lambda: _compare(
+            "requires_grad off on one rank", Branch(), _replicate, batches, False, freeze),
+        "no_sync, set_to_none=True": lambda: _compare(
+            "no_sync, set_to_none=True", Branch(), _wrapper, micro_batches, True, accumulate, micro=2),
+        "no_sync, set_to_none=False": lambda: _compare(
+            "no_sync, set_to_none=False", Branch(), _wrapper, micro_batches, False, accumulate, micro=2),
+        # the eager bucketed reducer (compiled autograd is off with the flag)
+        "no_sync, uncompiled": lambda: _compare(
+            "no_sync, uncompiled", Branch(), _wrapper, micro_batches, False, accumulate, micro=2,
+            compiled=False),
+    }
+
+
+def unused_on_some_ranks(rank, world_size, names, steps=4):
+    """The scenarios ``names``, each against eager torch DDP; returns ``{name: result}``."""
+    scenarios = _scenarios(rank, steps)
+    return dict(scenarios[name]() for name in names)

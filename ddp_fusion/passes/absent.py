@@ -28,7 +28,7 @@ import operator
 import torch
 import torch.fx
 
-from .. import _torch, unused
+from .. import unused
 from ._graph import NodeMaker
 from .bucketing import Bucket
 from .schedule import FusedBucket
@@ -80,7 +80,6 @@ def insert_fixups(make: NodeMaker, fused: list[FusedBucket]) -> None:
     if not by_model:
         return
     output = make.graph.find_nodes(op="output")[0]
-    counts = _torch.dynamo.counters()["ddp_fusion"]
     with make.graph.inserting_before(output):
         for model_id, mine in by_model.items():
             indices, reduced, used = [], [], []
@@ -90,6 +89,5 @@ def insert_fixups(make: NodeMaker, fused: list[FusedBucket]) -> None:
                         indices.append(g.absent)
                         reduced.append(out)
                         used.append(make(aten.slice.Tensor, (fb.flags, 0, k, k + 1)))
-            counts["absent gradients"] += len(indices)
             make(unused.UNUSED_FIXUP, ([fb.flags for fb in mine], model_id, indices, reduced, used),
                  name="unused_fixup")
