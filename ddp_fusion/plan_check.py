@@ -276,8 +276,9 @@ def _describe(group_name: str, payloads: Sequence[str],
     lines = [
         f"ddp_fusion: ranks of process group {group_name!r} compiled different gradient "
         "bucket plans, so their collectives would not match (a hang). Usually a "
-        "parameter gets a gradient on some ranks only (unused in this step's forward), "
-        "or the ranks run different code or models."
+        "parameter gets a gradient on some ranks only (unused in this step's forward: "
+        "build the DDP with find_unused_parameters=True), or the ranks run different "
+        "code or models."
     ]
     plans = {p: parse(published_plan(int(p))).buckets for p in ranks_of if p != JOINED}
     names = {p: {n for b in buckets for n in b.grads} for p, buckets in plans.items()}
