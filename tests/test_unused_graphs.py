@@ -136,3 +136,18 @@ def test_the_layout_is_part_of_the_cache_key(fake_pg):
     finally:
         unused.unregister(MODEL, found)
     assert _install.THE_PASS.uuid() == before
+
+
+def test_gradients_that_do_not_fit_the_layout_keep_the_graphs_plan(layout, caplog):
+    """A model whose gradients are not its registered parameters (here, w1's is of
+    another size) is planned from the graph, with a warning; nothing is absent."""
+    def fn(x):
+        return (ALL_REDUCE_GRADIENT(x[0, :4] * 2, "0", "avg", LIMITS, "w1", None, 1, MODEL),)
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(5, 5))
+    with caplog.at_level(logging.WARNING, logger="ddp_fusion"):
+        result = fuse(gm)
+    assert "its buckets follow this rank's graph" in caplog.text
+    assert "gradient w1 [4] torch.float32 at ready position 1 is not the layout's parameter" in caplog.text
+    assert [(b.grads, b.flags) for b in result.plan.buckets] == [(("w1",), 0)]
+    FileCheck().check_not("absent_grad").check_not("unused_fixup").run(gm.code)

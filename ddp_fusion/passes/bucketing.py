@@ -118,7 +118,7 @@ def _laid_out(grads: list[GradAllReduce],
     its graph's buckets (a warning says why)."""
     by_model: dict[int, list[GradAllReduce]] = {}
     for g in grads:
-        if g.key.model_id >= 0 and g.key.reduce_op != HOOK and unused.layout(g.key.model_id) is not None:
+        if g.key.model_id >= 0 and unused.layout(g.key.model_id) is not None:
             by_model.setdefault(g.key.model_id, []).append(g)
     if not by_model:
         return [], grads
@@ -129,6 +129,8 @@ def _laid_out(grads: list[GradAllReduce],
         entries, why = _expand(unused.layout(model_id), mine)
         if model_id in with_unfused:
             why = "a gradient of the model is left unfused (see the 'unfused' warning)"
+        elif mine[0].key.reduce_op == HOOK:
+            why = "its comm hook reduces its buckets (a buffer of gradients only)"
         if why is not None:
             _torch.dynamo.counters()["ddp_fusion"]["find_unused_parameters: graph's buckets"] += 1
             if why not in _warned:
