@@ -129,8 +129,9 @@ def fuse_ddp_allreduces(
         elif fused:
             after = fused[-1].tails[-1][-1]  # the end of the previous bucket's nodes
         label = f"bucket{i}"
-        flags = absent.materialize(make, bucket, after, label) if bucket.flags else None
-        after = flags or after
+        flags = None
+        if bucket.flags:  # its absent gradients and used flags, right after `after`
+            flags = after = absent.materialize(make, bucket, after, label)
         # scaled by the checked divisor
         last = max(here, key=lambda g: order[g.grad]) if here else bucket.grads[-1]
         copies, why = kept_grads(Bucket(key, here), order, planned.hook is not None) if here else (None, None)
