@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from . import _torch, comm_hooks, plan_check, scaling
+from . import _torch, comm_hooks, plan_check, scaling, unused
 from .config import config
 
 
@@ -151,6 +151,7 @@ def shadow_plan(group: dist.ProcessGroup, device: torch.device) -> None:
     the model's comm hook, on zeros, as torch DDP)."""
     plan = plan_check.shadow_exchange(group)
     plan_check.hook_groups(plan, group)
+    unused.shadow(group, plan_check.parse(plan))  # find_unused_parameters' used bits
     funcol = _torch.distributed.c10d_functional
     for b in plan_check.parse(plan).buckets:
         if b.hook is not None:
@@ -158,9 +159,9 @@ def shadow_plan(group: dist.ProcessGroup, device: torch.device) -> None:
             name = comm_hooks.group_name(b.hook[0], plan_check.plan_id(plan), b.hook[1])
             funcol.wait_tensor(funcol.all_reduce(flat, "sum", name))
         elif b.algorithm == "coalesced":
-            zeros = [torch.zeros(n, dtype=b.wire_dtype, device=device) for n in b.sent_numels]
+            zeros = [torch.zeros(n, dtype=b.wire_dtype, device=device) for n in b.numels]
             for t in funcol.all_reduce_coalesced(zeros, "sum", group.group_name):
                 funcol.wait_tensor(t)
         else:
-            flat = torch.zeros(sum(b.sent_numels), dtype=b.wire_dtype, device=device)
+            flat = torch.zeros(sum(b.numels), dtype=b.wire_dtype, device=device)
             funcol.wait_tensor(funcol.all_reduce(flat, "sum", group.group_name))

@@ -14,10 +14,9 @@ fused graph), a joined rank replaying the others' plan, the dumps and the logs::
 
 A bucket may also carry ``comm_dtype`` (gradients cast for the wire), ``hook`` (``[model
 id, index, count]``: the model's comm hook reduces it), ``cut`` (why it closed
-before its limit) and ``flags`` (``find_unused_parameters``: the number of used-parameter
-flags, one per gradient, sent after the gradients in the same collective; unused.py).
-``device`` is the device type: the same on every rank. ``bytes`` counts the gradients
-only.
+before its limit) and ``layout`` (the model id of a ``find_unused_parameters`` model,
+whose buckets hold all its parameters, with a gradient on this rank or not; unused.py).
+``device`` is the device type: the same on every rank.
 
 The rule is eager DDP's, after its first-iteration rebuild (``Reducer::rebuild_buckets``
 calling ``compute_bucket_assignment_by_size`` on the gradients in ready order): per key
@@ -162,20 +161,14 @@ class PlannedBucket:
     the model's hooked buckets (``GradBucket.index()``) and how many there are."""
     cut: str | None = None
     """Why the bucket closed before its limit."""
-    flags: int = 0
-    """Used-parameter flags sent after the gradients, one per gradient, or 0
-    (``find_unused_parameters``: the bucket holds every parameter of its part of the
-    model, used on this rank or not; ddp_fusion/unused.py)."""
+    layout: int | None = None
+    """The id of the ``find_unused_parameters`` model whose registered layout the bucket
+    follows (every parameter of its part of the model, used on this rank or not; the
+    ranks agree on which were used: ddp_fusion/unused.py), or None."""
 
     @property
     def nbytes(self) -> int:
         return sum(self.numels) * self.dtype.itemsize
-
-    @property
-    def sent_numels(self) -> tuple[int, ...]:
-        """The elements of each tensor the bucket's collective sends, in order: each
-        gradient's, then the flags (as one tensor), if any."""
-        return self.numels + ((self.flags,) if self.flags else ())
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -195,7 +188,7 @@ class PlannedBucket:
             "numels": list(self.numels),
             "grads": list(self.grads),
             **({"cut": self.cut} if self.cut else {}),
-            **({"flags": self.flags} if self.flags else {}),
+            **({"layout": self.layout} if self.layout is not None else {}),
         }
 
     @classmethod
@@ -211,7 +204,7 @@ class PlannedBucket:
             comm_dtype=_dtype(d["comm_dtype"]) if "comm_dtype" in d else None,
             hook=tuple(d["hook"]) if "hook" in d else None,  # type: ignore[arg-type]
             cut=d.get("cut"),
-            flags=d.get("flags", 0),
+            layout=d.get("layout"),
         )
 
 

@@ -44,8 +44,8 @@ def test_real_model_trains_fused_as_eager_ddp(name):
         if name == "bert":
             # find_unused_parameters: eager DDP all-reduces the unused pooler's zeros in
             # its buckets, plus a used-parameter bitmap; ddp_fusion sends the same
-            # parameters with used flags in its buckets, cut from the other end (the
-            # count can differ by one; docs/limits.md, "Unused parameters")
+            # parameters (agreeing on the used ones on the host), in buckets cut from the
+            # other end (the count can differ by one; docs/limits.md, "Unused parameters")
             assert abs(r["collectives"] - r["eager_buckets"]) <= 1, r
             assert r["eager_collectives"] == r["eager_buckets"] + 1, r
         else:

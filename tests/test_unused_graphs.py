@@ -4,11 +4,12 @@ all-reduce returns its input).
 
 What they pin down: graphs that lack different parameters plan the same buckets (the
 plan the per-step check compares), and a different model plans different ones; a
-parameter absent from the graph is sent as its kept ``.grad`` or zeros, with a used flag
-per parameter in the same collective; after the graph, an absent parameter's ``.grad``
-is left as it was where no rank used it and set where one did (here: marked as used
-under ``no_sync()``); kept ``.grad``s of such a bucket are copied back, not reduced in
-place (logged); the layout is part of the pass's cache key.
+parameter absent from the graph is sent as its kept ``.grad`` or zeros; every graph
+starts the agreement on used parameters, and one that lacks a parameter ends with the
+fix-up; after the graph, an absent parameter's ``.grad`` is left as it was where no rank
+used it and set where one did (here: marked as used under ``no_sync()``); kept
+``.grad``s of a bucket with an absent parameter are copied back, not reduced in place
+(logged), the others are reduced in place; the layout is part of the pass's cache key.
 """
 
 import logging
@@ -73,13 +74,13 @@ def test_graphs_lacking_different_parameters_plan_the_same_buckets(layout, algor
         result = fuse(gm, algorithm=algorithm)
         plans.append(result.plan.to_json())
         absent = 3 - len(used)
-        check = FileCheck().check_count("ddp_fusion.absent_grad", absent, exactly=True)
-        check.check_count("ddp_fusion.unused_fixup", 1, exactly=True).run(gm.code)
+        check = FileCheck().check_count("ddp_fusion.used_start", 1, exactly=True)
+        check = check.check_count("ddp_fusion.absent_grad", absent, exactly=True)
+        check.check_count("ddp_fusion.unused_fixup", 1 if absent else 0, exactly=True).run(gm.code)
     assert plans[0] == plans[1] == plans[2]
     buckets = result.plan.buckets
     assert [b.grads for b in buckets] == [("w2",), ("w1", "w0")]
-    assert [b.flags for b in buckets] == [1, 2]
-    assert [b.sent_numels for b in buckets] == [(15, 1), (5, 15, 2)]
+    assert [b.layout for b in buckets] == [MODEL, MODEL]
 
 
 def test_a_different_model_plans_different_buckets(layout):
@@ -119,12 +120,13 @@ def test_an_absent_parameter_gets_what_eager_ddp_leaves(layout, algorithm):
     assert torch.equal(w2, x[:, :3]) and torch.equal(w0, x[:3])
 
 
-def test_kept_grads_of_a_bucket_with_flags_are_copied_back(layout, caplog):
-    gm, _ = backward(("w2", "w1", "w0"), kept=("w2", "w1", "w0"))
+def test_kept_grads_of_a_bucket_with_an_absent_parameter_are_copied_back(layout, caplog):
+    gm, _ = backward(("w2", "w0"), kept=("w2", "w0"))
     with caplog.at_level(logging.INFO, logger="ddp_fusion"):
         fuse(gm)
-    FileCheck().check_not("all_reduce_in_place").run(gm.code)
-    assert "sends used flags (find_unused_parameters)" in caplog.text
+    # w2's bucket is reduced in place; w1 (absent) and w0's gets a buffer and a copy back
+    FileCheck().check_count("ddp_fusion.all_reduce_in_place.default", 1, exactly=True).run(gm.code)
+    assert "has no gradient on this rank (find_unused_parameters)" in caplog.text
 
 
 def test_the_layout_is_part_of_the_cache_key(fake_pg):
@@ -149,5 +151,5 @@ def test_gradients_that_do_not_fit_the_layout_keep_the_graphs_plan(layout, caplo
         result = fuse(gm)
     assert "its buckets follow this rank's graph" in caplog.text
     assert "gradient w1 [4] torch.float32 at ready position 1 is not the layout's parameter" in caplog.text
-    assert [(b.grads, b.flags) for b in result.plan.buckets] == [(("w1",), 0)]
-    FileCheck().check_not("absent_grad").check_not("unused_fixup").run(gm.code)
+    assert [(b.grads, b.layout) for b in result.plan.buckets] == [(("w1",), None)]
+    FileCheck().check_not("used_start").check_not("absent_grad").check_not("unused_fixup").run(gm.code)

@@ -64,7 +64,8 @@ def count_step(rank: int, world_size: int, name: str, mode: str, cap_mb: float,
     """Train ``steps`` steps of model ``name`` in ``mode`` (``eager``: torch DDP, flag off,
     not compiled; ``fused``: the ddp_fusion wrapper, compiled; ``fused_all_used``: the
     same without ``find_unused_parameters``), profiling the last: the collectives the
-    process group ran and their bytes, and the host reads of the used flags."""
+    process group ran and their bytes, and (ddp_fusion) the parameters absent from this
+    rank's graph in that step."""
     find_unused = mode != "fused_all_used"
     net = _model(name)
     batches = _batches(name, rank, steps)
@@ -86,7 +87,7 @@ def count_step(rank: int, world_size: int, name: str, mode: str, cap_mb: float,
 
     for x in batches[:-1]:
         step(x)
-    reads = counters["ddp_fusion"]["unused: host reads"]
+    absent = counters["ddp_fusion"]["unused: absent gradients"]
     with profile(record_shapes=True) as prof:
         step(batches[-1])
     collectives: dict[str, int] = {}
@@ -101,7 +102,7 @@ def count_step(rank: int, world_size: int, name: str, mode: str, cap_mb: float,
         "bytes": sent,
         "parameters": params,
         "unused_here": sum(p.grad is None for p in model.parameters()) if mode == "eager" else None,
-        "host_reads_last_step": counters["ddp_fusion"]["unused: host reads"] - reads,
+        "absent_last_step": counters["ddp_fusion"]["unused: absent gradients"] - absent,
         "eager_buckets": (len(model._get_ddp_logging_data()["bucket_sizes"].split(","))
                           if mode == "eager" else None),
     }

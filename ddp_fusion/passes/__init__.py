@@ -6,7 +6,7 @@
     concat.py       rewrite a bucket as cat + div + all_reduce + split
     coalesced.py    rewrite a bucket as _foreach_div + all_reduce_coalesced
     in_place.py     a bucket of kept .grads: write each into its .grad, reduce them in place
-    absent.py       find_unused_parameters: gradients absent here, used flags, the fix-up
+    absent.py       find_unused_parameters: gradients absent here, which were used, the fix-up
     schedule.py     move each bucket's wait to just before its first reader
 
 Invariants every step keeps, checked by ``graph.lint()`` at the end:
@@ -129,14 +129,13 @@ def fuse_ddp_allreduces(
         elif fused:
             after = fused[-1].tails[-1][-1]  # the end of the previous bucket's nodes
         label = f"bucket{i}"
-        flags = None
-        if bucket.flags:  # its absent gradients and used flags, right after `after`
-            flags = after = absent.materialize(make, bucket, after, label)
+        if bucket.laid_out:  # its absent gradients, right after `after`
+            after = absent.materialize(make, bucket, after, label)
         # scaled by the checked divisor
         last = max(here, key=lambda g: order[g.grad]) if here else bucket.grads[-1]
         copies, why = kept_grads(Bucket(key, here), order, planned.hook is not None) if here else (None, None)
-        if copies is not None and flags is not None:
-            copies, why = None, "it sends used flags (find_unused_parameters)"
+        if copies is not None and len(here) < len(bucket.grads):
+            copies, why = None, "a parameter of it has no gradient on this rank (find_unused_parameters)"
         if why is not None:
             _note_copy_back(label, why)
         if planned.hook is not None:  # the model's comm hook reduces it (comm_hooks.py)
@@ -144,10 +143,10 @@ def fuse_ddp_allreduces(
         elif copies is not None:  # into kept .grads (in_place.py)
             fused.append(fuse_in_place(make, bucket, copies, after, divisors, last, label, algorithm))
         else:
-            fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label, flags=flags))
+            fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label))
     _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)
                          if not g.is_absent})
-    absent.insert_fixups(make, fused)
+    absent.insert_fixups(make, fused, absent.insert_used_starts(make, buckets, guards))
     for u, key in zip(checked, unfused_keys):
         _check_unfused(make, u, guards[key][1])
     # A reader of an early gradient in a bucket may sit before the bucket's collective

@@ -17,8 +17,7 @@ A model built with ``find_unused_parameters=True`` has its layout registered
 (ddp_fusion/unused.py): its buckets are planned over every parameter of the layout, in
 its order, whatever gradients this rank's graph has, so ranks that use different
 parameters plan the same buckets. A parameter missing here is an *absent* entry of its
-bucket (the pass makes its contribution, passes/__init__.py), and the bucket carries
-used flags (``Bucket.flags``).
+bucket (the pass makes its contribution: absent.py; ``Bucket.laid_out``).
 
 One case eager DDP never meets: in a hand-built graph a gradient may be computed from an
 earlier gradient's *reduced* value. Then the earlier gradient's bucket (whatever its key)
@@ -46,9 +45,9 @@ class Bucket:
     grads: list[GradAllReduce]
     cut_reason: str | None = None
     """Why this bucket closed early (the next gradient of its key depends on it)."""
-    flags: bool = False
+    laid_out: bool = False
     """A bucket of a ``find_unused_parameters`` model's layout: it may hold absent
-    entries, and it sends one used flag per entry (ddp_fusion/unused.py)."""
+    entries (ddp_fusion/unused.py)."""
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +66,7 @@ def plan_buckets(graph: torch.fx.Graph, grads: list[GradAllReduce],
         return buckets
     laid_buckets = _plan_in_ready_order(graph, laid)
     for b in laid_buckets:
-        b.flags = True
+        b.laid_out = True
     return _merge(graph, buckets, laid_buckets)
 
 
@@ -300,7 +299,7 @@ def to_plan(buckets: list[Bucket], unfused: list[Unfused], algorithm: str) -> Bu
                 comm_dtype=b.key.comm_dtype,
                 hook=hook.get(i),
                 cut=b.cut_reason,
-                flags=len(b.grads) if b.flags else 0,
+                layout=b.key.model_id if b.laid_out else None,
             )
             for i, b in enumerate(buckets)
         ),

@@ -10,9 +10,7 @@ No flat buffer and no copy out: the reduced tensors become the gradients; the ba
 still sees one call per bucket. A dense gradient that is not contiguous (channels last)
 is reduced as its contiguous ``permute`` view and permuted back, so it keeps its strides;
 one that is not dense is cloned contiguous. With a ``comm_dtype`` each gradient is cast
-before the division and cast back after its wait. A bucket with used flags
-(``find_unused_parameters``, ddp_fusion/unused.py) sends them, unscaled, as one more
-tensor after its gradients.
+before the division and cast back after its wait.
 """
 
 from __future__ import annotations
@@ -40,13 +38,10 @@ def fuse_coalesced(
     divisors: tuple[torch.fx.Node, torch.fx.Node],
     last: GradAllReduce,
     label: str,
-    flags: torch.fx.Node | None = None,
 ) -> FusedBucket:
     """``divisors``: (divisor, checked divisor): ``last``, the bucket's last-ready
     gradient, is scaled by the checked one, the others by the other (guard.py).
-    ``label``: the bucket's name (``bucket<i>``), which its nodes' names start with.
-    ``flags``: the used flags to send after the gradients (1-D, in the wire dtype), if
-    any."""
+    ``label``: the bucket's name (``bucket<i>``), which its nodes' names start with."""
     key = bucket.key
     divisor, checked = divisors
     with make.graph.inserting_before(after.next):
@@ -81,8 +76,6 @@ def fuse_coalesced(
             else make(prims.convert_element_type.default, (item, wire_dtype))
             for item in items
         ]
-        if flags is not None:
-            inputs.append(flags)
         collective = make(
             c10d.all_reduce_coalesced.default, (inputs, "sum", key.group_name),
             name=f"{label}_all_reduce_coalesced",
@@ -100,12 +93,7 @@ def fuse_coalesced(
                 tail.append(make(aten.permute.default, (tail[-1], inverse)))
             tails.append(tail)
             outputs.append(tail[-1])
-        summed = None
-        if flags is not None:
-            item = make(operator.getitem, (collective, len(bucket.grads)))
-            summed = make(c10d.wait_tensor.default, (item,), name=f"{label}_wait")
-            tails.append([item, summed])
-    return FusedBucket(bucket, collective, tails, outputs, flags=summed)
+    return FusedBucket(bucket, collective, tails, outputs)
 
 
 def _order(val: torch.Tensor) -> tuple[int, ...] | None:

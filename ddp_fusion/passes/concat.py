@@ -22,9 +22,7 @@ The reduced gradients are views of the bucket's buffer: nothing is copied back. 
 order, by a ``permute`` view, and comes back as one), so the hook that set ``.grad =
 r_i`` keeps the gradient layout contract; a gradient that is not dense is reshaped (a
 copy) and comes back contiguous. With a ``comm_dtype`` each gradient is cast before its
-division, and the reduced buffer cast back after the wait. A bucket with used flags
-(``find_unused_parameters``, ddp_fusion/unused.py) sends them, unscaled, after its
-gradients: ``cat([..., flags])``, and the last part of the split is their sum.
+division, and the reduced buffer cast back after the wait.
 
 ``divisor`` and ``checked`` are the 0-d divisors from the group's ``plan_divisor`` and
 ``plan_guard`` (guard.py; the same value, the second after the cross-rank plan check;
@@ -59,14 +57,12 @@ def fuse_concat(
     last: GradAllReduce,
     label: str,
     group_name: str | None = None,
-    flags: torch.fx.Node | None = None,
 ) -> FusedBucket:
     """``divisors``: (divisor, checked divisor): ``last``, the bucket's last-ready
     gradient, is scaled by the checked one, the others by the other (guard.py).
     ``label``: the bucket's name (``bucket<i>``), which its nodes' names start with.
     ``group_name``: the group the bucket's collective goes to, if not the bucket's own
-    (a comm hook's, see comm_hooks.py). ``flags``: the used flags to send after the
-    gradients (1-D, in the wire dtype), if any."""
+    (a comm hook's, see comm_hooks.py)."""
     key = bucket.key
     divisor, checked = divisors
     with make.graph.inserting_before(after.next):
@@ -76,10 +72,6 @@ def fuse_concat(
             if key.comm_dtype is not None:
                 flat = make(prims.convert_element_type.default, (flat, key.comm_dtype))
             flats.append(make(aten.div.Tensor, (flat, checked if g is last else divisor)))
-        sizes = [g.numel for g in bucket.grads]
-        if flags is not None:
-            flats.append(flags)
-            sizes.append(flags.meta["val"].numel())
         flat = make(aten.cat.default, (flats,), name=f"{label}_cat")
         collective = make(c10d.all_reduce.default, (flat, "sum", group_name or key.group_name),
                           name=f"{label}_all_reduce")
@@ -88,7 +80,8 @@ def fuse_concat(
         if key.comm_dtype is not None:
             wait = make(prims.convert_element_type.default, (wait, key.dtype))
             tail.append(wait)
-        parts = make(aten.split_with_sizes.default, (wait, sizes), name=f"{label}_split")
+        parts = make(aten.split_with_sizes.default, (wait, [g.numel for g in bucket.grads]),
+                     name=f"{label}_split")
         tail.append(parts)
         outputs = []
         for i, g in enumerate(bucket.grads):
@@ -98,11 +91,7 @@ def fuse_concat(
                 tail.append(node)
                 out = node
             outputs.append(out)
-        summed = None
-        if flags is not None:
-            summed = make(operator.getitem, (parts, len(bucket.grads)))
-            tail.append(summed)
-    return FusedBucket(bucket, collective, [tail], outputs, flags=summed)
+    return FusedBucket(bucket, collective, [tail], outputs)
 
 
 def _flatten(make: NodeMaker, g: GradAllReduce) -> torch.fx.Node:

@@ -39,8 +39,6 @@ class FusedBucket:
     mutated: list[torch.fx.Node] = dataclasses.field(default_factory=list)
     """Graph inputs the collective reduces in place (in_place.py): their readers after
     the collective read the reduced values, so the wait goes before them too."""
-    flags: torch.fx.Node | None = None
-    """The reduced used flags, of a bucket that sends them (``Bucket.flags``)."""
 
 
 def sink_waits(graph: torch.fx.Graph, fused: list[FusedBucket], max_in_flight: int | None = None) -> None:
