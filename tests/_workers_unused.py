@@ -170,6 +170,41 @@ def _replicate(net):
     return replicate(net, find_unused_parameters=True, bucket_cap_mb=0.002)
 
 
+def _joined(name, base, batches, before):
+    """``join()`` with uneven batches (rank 1 runs out first) and ``before(net, step)``
+    choosing what each forward uses: eager torch DDP against the compiled wrapper; the
+    joined rank takes part in the agreement on used parameters with zeros."""
+    start = time.perf_counter()
+
+    def train(model, net):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        with model.join():
+            for i, x in enumerate(batches):
+                before(net, i)
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    ref_net = copy.deepcopy(base)
+    want = train(nn.parallel.DistributedDataParallel(ref_net, find_unused_parameters=True,
+                                                     bucket_cap_mb=0.002), ref_net)
+    torch._dynamo.reset()
+    counters = _torch.dynamo.counters()
+    counters.clear()
+    net = copy.deepcopy(base)
+    result = {}
+    try:
+        with ddp_fusion.config.patch(enabled=True):
+            got = train(torch.compile(_wrapper(net)), net)
+        result.update(max_diff=max((g - w).abs().max().item() for g, w in zip(got, want)))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(e).__name__}: {e}"
+    result.update(none_after=None, want_none_after=None, graph_breaks=0,
+                  counters=dict(counters["ddp_fusion"]), seconds=time.perf_counter() - start)
+    return name, result
+
+
 def _scenarios(rank, steps):
     """Scenario name -> a function that runs it (``_compare``)."""
     gen = torch.Generator().manual_seed(100 + rank)
@@ -206,6 +241,10 @@ def _scenarios(rank, steps):
             "no_sync, set_to_none=True", Branch(), _wrapper, micro_batches, True, accumulate, micro=2),
         "no_sync, set_to_none=False": lambda: _compare(
             "no_sync, set_to_none=False", Branch(), _wrapper, micro_batches, False, accumulate, micro=2),
+        # join(): rank 1 runs out of batches after 2 steps; rank 0 uses b at steps 2, 3
+        "join, uneven batches": lambda: _joined(
+            "join, uneven batches", Branch(), batches[: 4 if rank == 0 else 2],
+            lambda net, step: setattr(net, "use_b", rank == 0 and step >= 2)),
         # the eager bucketed reducer (compiled autograd is off with the flag)
         "no_sync, uncompiled": lambda: _compare(
             "no_sync, uncompiled", Branch(), _wrapper, micro_batches, False, accumulate, micro=2,

@@ -12,7 +12,8 @@ with top-1 routing of a few tokens, ranks using different experts at different s
 (``.grad`` None, and kept); ``requires_grad`` switched off on one rank
 (``replicate()``); ``no_sync()`` with a parameter used only in the micro-batch that does
 not reduce, or only in the one that does (compiled with ``.grad`` None and kept, and
-uncompiled). Before buckets were laid out by the model, every compiled scenario raised
+uncompiled); ``join()`` with uneven batches, the joined rank taking part in the
+agreement on used parameters. Before buckets were laid out by the model, every compiled scenario raised
 ``PlanMismatchError`` at its first rank-dependent step, and the uncompiled ``no_sync()``
 one left rank 0's accumulated gradient unreduced.
 
@@ -28,7 +29,7 @@ from _workers_unused import ROUTES, unused_on_some_ranks
 
 CI = ("moe", "branch at some steps", "no_sync, set_to_none=False", "no_sync, uncompiled")
 SLOW = ("branch on one rank", "moe, kept .grads", "requires_grad off on one rank",
-        "no_sync, set_to_none=True")
+        "no_sync, set_to_none=True", "join, uneven batches")
 
 
 def _check(ranks):
