@@ -14,8 +14,9 @@ fused graph), a joined rank replaying the others' plan, the dumps and the logs::
 
 A bucket may also carry ``comm_dtype`` (gradients cast for the wire), ``hook`` (``[model
 id, index, count]``: the model's comm hook reduces it), ``cut`` (why it closed
-before its limit) and ``layout`` (the model id of a ``find_unused_parameters`` model,
-whose buckets hold all its parameters, with a gradient on this rank or not; unused.py).
+before its limit) and ``layout`` (a ``find_unused_parameters`` model's number among
+the plan's such models, 0, 1, ...: its buckets hold all its parameters, with a gradient
+on this rank or not; unused.py).
 ``device`` is the device type: the same on every rank.
 
 The rule is eager DDP's, after its first-iteration rebuild (``Reducer::rebuild_buckets``
@@ -162,9 +163,10 @@ class PlannedBucket:
     cut: str | None = None
     """Why the bucket closed before its limit."""
     layout: int | None = None
-    """The id of the ``find_unused_parameters`` model whose registered layout the bucket
-    follows (every parameter of its part of the model, used on this rank or not; the
-    ranks agree on which were used: ddp_fusion/unused.py), or None."""
+    """For a bucket that follows a ``find_unused_parameters`` model's registered layout
+    (every parameter of its part of the model, used on this rank or not; the ranks agree
+    on which were used: ddp_fusion/unused.py), the model's number among the plan's such
+    models, in the order of their first buckets; else None."""
 
     @property
     def nbytes(self) -> int:

@@ -266,8 +266,8 @@ torch.fx.node.has_side_effect(UNUSED_FIXUP)
 
 
 def models_of(plan: BucketPlan) -> list[tuple[int, int]]:
-    """(model id, number of parameters) of each model laid out in ``plan``, in the order
-    its ``used_start`` runs (the order of the models' first buckets)."""
+    """(number in the plan, number of parameters) of each model laid out in ``plan``, in
+    the order its ``used_start`` runs (the order of the models' first buckets)."""
     counts: dict[int, int] = {}
     for b in plan.buckets:
         if b.layout is not None:

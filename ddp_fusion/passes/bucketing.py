@@ -283,6 +283,13 @@ def to_plan(buckets: list[Bucket], unfused: list[Unfused], algorithm: str) -> Bu
     for i, b in enumerate(buckets):
         if b.key.reduce_op == HOOK:
             per_model.setdefault(b.key.model_id, []).append(i)
+    # a laid-out model's number among the plan's (not its id: ids count the live models
+    # with the same parameter names, which ranks that collect garbage at different
+    # times can see differently)
+    laid_out: dict[int, int] = {}
+    for b in buckets:
+        if b.laid_out:
+            laid_out.setdefault(b.key.model_id, len(laid_out))
     hook = {i: (model_id, n, len(same)) for model_id, same in per_model.items()
             for n, i in enumerate(same)}
     return BucketPlan(
@@ -299,7 +306,7 @@ def to_plan(buckets: list[Bucket], unfused: list[Unfused], algorithm: str) -> Bu
                 comm_dtype=b.key.comm_dtype,
                 hook=hook.get(i),
                 cut=b.cut_reason,
-                layout=b.key.model_id if b.laid_out else None,
+                layout=laid_out.get(b.key.model_id) if b.laid_out else None,
             )
             for i, b in enumerate(buckets)
         ),
