@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from . import _torch, dump, effects, grad_sync, stock
+from . import _torch, dump, effects, grad_sync, stock, unused
 from . import config as config_module
 from .config import config
 from .log import log
@@ -74,6 +74,9 @@ class FuseDDPAllReduces:
 
     def uuid(self) -> bytes:
         settings = {k: getattr(config, k) for k in _PASS_SETTINGS}
+        layouts = unused.cache_key()  # find_unused_parameters models' layouts, which the pass reads
+        if layouts is not None:
+            settings["find_unused_parameters layouts"] = layouts
         return _torch.inductor.hash_files(_SOURCES, json.dumps(settings, sort_keys=True))
 
 

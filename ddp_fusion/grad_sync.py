@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _torch, autocap, comm_hooks, effects, host_group, join, ready_order, settings_check
+from . import _torch, autocap, comm_hooks, effects, host_group, join, ready_order, settings_check, unused
 from .config import config
 from .log import log
 from .ops import ALL_REDUCE_GRADIENT, HOOK, READY_NOT_LEARNED, READY_UNKNOWN
@@ -98,6 +98,8 @@ class _HookData:
     limits: list[int]
     """Changed in place by ``bucket_cap_mb="auto"`` (before the first compiled step)."""
     names: tuple[str, ...]
+    unsynced: unused.Unsynced | None
+    """``find_unused_parameters``: the no_sync() marks (unused.py); else None."""
 
 
 # model id -> what its hooks read (removed with the model)
@@ -108,7 +110,15 @@ def _make_hook(model_id: int, index: int):
     def reduce_grad(param: torch.Tensor) -> None:
         data = _hook_data[model_id]
         state = data.state
-        if not state.require_backward_grad_sync or param.grad is None:
+        if not state.require_backward_grad_sync:
+            if data.unsynced is not None and param.grad is not None:
+                # find_unused_parameters: used in a backward that does not reduce
+                # (no_sync()); eager DDP counts it as used at the next that does
+                # (unused.py). Compiled, a side effect Dynamo replays after the graph.
+                data.unsynced.marks[index] = True
+                data.unsynced.dirty = True
+            return
+        if param.grad is None:
             return
         if torch.compiler.is_compiling():
             # Traced by compiled autograd: one tagged all-reduce, fused by the pass.
@@ -321,12 +331,15 @@ def _check_not_hooked(params: list[tuple[str, torch.Tensor]], who: str) -> None:
             )
 
 
-def _release(handles: list[Any], params: list[torch.Tensor], model_id: int) -> None:
+def _release(handles: list[Any], params: list[torch.Tensor], model_id: int,
+             layout: unused.Layout | None) -> None:
     """Undo a model's hooks once it is garbage (weakref.finalize)."""
     ref = _syncs.get(model_id)
     if ref is not None and ref() is None:  # (the id may already be a new model's)
         del _syncs[model_id]
         _hook_data.pop(model_id, None)
+    if layout is not None:
+        unused.unregister(model_id, layout)
     for h in handles:
         h.remove()
     for p in params:
@@ -458,14 +471,20 @@ class GradSync:
         )
         self.model_id = _model_id(self.names, group.group_name)
         _syncs[self.model_id] = weakref.ref(self)
+        # find_unused_parameters: the buckets' layout, for the pass (every parameter,
+        # used here or not: unused.py), and the no_sync() marks
+        self.layout = (unused.register(self.model_id, params, list(reversed(range(len(params)))))
+                       if find_unused_parameters else None)
+        unsynced = self.layout.unsynced if self.layout is not None else None
+        self.reducer.unsynced = unsynced
         _hook_data[self.model_id] = _HookData(self.state, self.reducer, group.group_name, limits,
-                                              tuple(self.names))
+                                              tuple(self.names), unsynced)
         self.handles = [p.register_post_accumulate_grad_hook(_make_hook(self.model_id, i))
                         for i, (_, p) in enumerate(params)]
         me = weakref.ref(model)
         for _, p in params:
             _models[p] = me
-        weakref.finalize(model, _release, self.handles, [p for _, p in params], self.model_id)
+        weakref.finalize(model, _release, self.handles, [p for _, p in params], self.model_id, self.layout)
         # The join prelude runs eagerly, outside a compiled forward (made here, not at
         # import: torch.compiler.disable imports Dynamo).
         self._join_prelude = torch.compiler.disable(join.prelude)

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from . import _torch, comm_hooks, plan_check, scaling
+from . import _torch, comm_hooks, plan_check, scaling, unused
 from .config import config
 
 
@@ -151,6 +151,7 @@ def shadow_plan(group: dist.ProcessGroup, device: torch.device) -> None:
     the model's comm hook, on zeros, as torch DDP)."""
     plan = plan_check.shadow_exchange(group)
     plan_check.hook_groups(plan, group)
+    unused.shadow(group, plan_check.parse(plan))  # find_unused_parameters' used bits
     funcol = _torch.distributed.c10d_functional
     for b in plan_check.parse(plan).buckets:
         if b.hook is not None:

@@ -13,8 +13,11 @@ fused graph), a joined rank replaying the others' plan, the dumps and the logs::
      "unfused": [{"grad": "module.emb.weight", "group": "0", "reason": "..."}]}
 
 A bucket may also carry ``comm_dtype`` (gradients cast for the wire), ``hook`` (``[model
-id, index, count]``: the model's comm hook reduces it) and ``cut`` (why it closed
-before its limit). ``device`` is the device type: the same on every rank.
+id, index, count]``: the model's comm hook reduces it), ``cut`` (why it closed
+before its limit) and ``layout`` (a ``find_unused_parameters`` model's number among
+the plan's such models, 0, 1, ...: its buckets hold all its parameters, with a gradient
+on this rank or not; unused.py).
+``device`` is the device type: the same on every rank.
 
 The rule is eager DDP's, after its first-iteration rebuild (``Reducer::rebuild_buckets``
 calling ``compute_bucket_assignment_by_size`` on the gradients in ready order): per key
@@ -159,6 +162,11 @@ class PlannedBucket:
     the model's hooked buckets (``GradBucket.index()``) and how many there are."""
     cut: str | None = None
     """Why the bucket closed before its limit."""
+    layout: int | None = None
+    """For a bucket that follows a ``find_unused_parameters`` model's registered layout
+    (every parameter of its part of the model, used on this rank or not; the ranks agree
+    on which were used: ddp_fusion/unused.py), the model's number among the plan's such
+    models, in the order of their first buckets; else None."""
 
     @property
     def nbytes(self) -> int:
@@ -182,6 +190,7 @@ class PlannedBucket:
             "numels": list(self.numels),
             "grads": list(self.grads),
             **({"cut": self.cut} if self.cut else {}),
+            **({"layout": self.layout} if self.layout is not None else {}),
         }
 
     @classmethod
@@ -197,6 +206,7 @@ class PlannedBucket:
             comm_dtype=_dtype(d["comm_dtype"]) if "comm_dtype" in d else None,
             hook=tuple(d["hook"]) if "hook" in d else None,  # type: ignore[arg-type]
             cut=d.get("cut"),
+            layout=d.get("layout"),
         )
 
 

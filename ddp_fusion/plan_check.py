@@ -286,8 +286,9 @@ def _describe(group_name: str, payloads: dict[int, str],
     lines = [
         f"ddp_fusion: ranks of process group {group_name!r} compiled different gradient "
         "bucket plans, so their collectives would not match (a hang). Usually a "
-        "parameter gets a gradient on some ranks only (unused in this step's forward), "
-        "or the ranks run different code or models."
+        "parameter gets a gradient on some ranks only (unused in this step's forward: "
+        "build the DDP with find_unused_parameters=True), or the ranks run different "
+        "code or models."
     ]
     known = known or {}
     plans = {p: parse(known.get(p) or published_plan(int(p))).buckets for p in ranks_of if p != JOINED}

@@ -26,13 +26,17 @@ Unused parameters: a bucket that is not full at the end of backward means some
 parameters got no gradient. With ``find_unused_parameters=True`` their slots are sent
 as zeros and a used-parameter bitmap is all-reduced, so a parameter used on any rank
 gets the averaged gradient and one used on no rank keeps ``.grad = None`` (eager DDP's
-behaviour). Without it the buckets are still sent (so other ranks do not hang) and then
-this rank raises an error naming the parameters.
+behaviour). A parameter that got a gradient in a backward that did not reduce
+(``no_sync()``) since the last one that did counts as used, as in eager DDP (the model's
+hooks mark it: ``unsynced``, shared with the compiled path, ddp_fusion/unused.py).
+Without it the buckets are still sent (so other ranks do not hang) and then this rank
+raises an error naming the parameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,6 +90,9 @@ class EagerReducer:
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.hook: comm_hooks.CommHook | None = None  # if set, it reduces each bucket
+        # find_unused_parameters: parameters used under no_sync() since the last reducing
+        # backward (an unused.Unsynced, set by the model)
+        self.unsynced: Any = None
         self.rebuilt = False
         self._build(list(reversed(range(len(self.params)))))
         self._backward_id: int | None = None
@@ -210,6 +217,9 @@ class EagerReducer:
         self._launch_ready()
         used = self._used
         if self.find_unused_parameters:
+            if self.unsynced is not None and self.unsynced.dirty:
+                used = [u or m for u, m in zip(used, self.unsynced.marks)]
+                self.unsynced.settle()
             if self.hook is not None:
                 comm_hooks.wait_in_flight()  # its chained collectives first, on every rank
             used = self._used_anywhere(used)

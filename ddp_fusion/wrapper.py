@@ -6,9 +6,10 @@ allreduce / fp16 / bf16 compress hooks over the model's group are a communicatio
 instead. Not supported (yet): sparse gradients, ``static_graph``. DTensor parameters
 (tensor parallelism on another mesh dimension) have their local shards reduced over the
 data-parallel group. Under ``torch.compile``, ``find_unused_parameters`` covers
-parameters unused on every rank; one unused on some ranks only makes the ranks' plans
-differ, which raises ``PlanMismatchError`` at that step (plan_check.py). Parameters
-must all live on one kind of device per process, as with torch DDP.
+parameters unused on some ranks only, as eager DDP does (unused.py); without it, such a
+parameter makes the ranks' plans differ, which raises ``PlanMismatchError`` at that step
+(plan_check.py). Parameters must all live on one kind of device per process, as with
+torch DDP.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def test_hf_trainer_trains_fused_as_with_eager_ddp(find_unused, tmp_path):
     against the Trainer with eager DDP (flag off, no compile). By default the Trainer
     builds DDP with find_unused_parameters=True for a transformers model: eager DDP then
     keeps its first buckets and all-reduces a used-parameter bitmap each step as well,
-    which ddp_fusion leaves out (no parameter is unused); with it false, eager DDP
+    where ddp_fusion agrees on the used parameters on the host; with it false, eager DDP
     rebuilds its buckets in its ready order, which ddp_fusion learns."""
     pytest.importorskip("transformers")
     extra = ("--find-unused-parameters", find_unused)

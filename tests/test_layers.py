@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [  # L0, L1, ...: as CONTRIBUTING.md draws it
     {"log", "effects", "scaling"},
     {"plan", "host_group"},
     {"ops", "dump", "comm_hooks", "ready_order", "settings_check"},
-    {"plan_check", "autocap"},
+    {"plan_check", "autocap", "unused"},
     {"passes", "reducer"},
     {"join"},
     {"grad_sync"},

@@ -42,9 +42,11 @@ def test_real_model_trains_fused_as_eager_ddp(name):
         assert not r["graph_breaks"] and not r["unfused"] and r["plans_run"] == 1, r
         assert r["unique_graphs"] == 2, r  # one forward, one backward: no recompile
         if name == "bert":
-            # find_unused_parameters: eager DDP all-reduces the unused pooler's zeros
-            # in its buckets, plus a used-parameter bitmap; ddp_fusion leaves parameters
-            # unused on every rank out of its buckets (see README, Limits)
-            assert r["collectives"] <= r["eager_buckets"] < r["eager_collectives"], r
+            # find_unused_parameters: eager DDP all-reduces the unused pooler's zeros in
+            # its buckets, plus a used-parameter bitmap; ddp_fusion sends the same
+            # parameters (agreeing on the used ones on the host), in buckets cut from the
+            # other end (the count can differ by one; docs/limits.md, "Unused parameters")
+            assert abs(r["collectives"] - r["eager_buckets"]) <= 1, r
+            assert r["eager_collectives"] == r["eager_buckets"] + 1, r
         else:
             assert r["collectives"] == r["eager_buckets"] == r["eager_collectives"], r

@@ -6,6 +6,7 @@
     concat.py       rewrite a bucket as cat + div + all_reduce + split
     coalesced.py    rewrite a bucket as _foreach_div + all_reduce_coalesced
     in_place.py     a bucket of kept .grads: write each into its .grad, reduce them in place
+    absent.py       find_unused_parameters: gradients absent here, which were used, the fix-up
     schedule.py     move each bucket's wait to just before its first reader
 
 Invariants every step keeps, checked by ``graph.lint()`` at the end:
@@ -21,7 +22,9 @@ Invariants every step keeps, checked by ``graph.lint()`` at the end:
   buffer as with torch DDP's ``gradient_as_bucket_view``);
 * only tagged all-reduces are touched: other collectives keep their place and order
   relative to their inputs and users;
-* the plan is a function of the graph alone, so every rank reaches the same plan.
+* the plan is a function of the graph alone (and, for a ``find_unused_parameters``
+  model, of its registered layout, which is part of the pass's cache key), so every
+  rank reaches the same plan.
 
 Cost is linear in the number of nodes: one walk to find, one to plan, one re-sort, one
 to place waits.
@@ -39,6 +42,7 @@ from ..config import config
 from ..log import log
 from ..ops import ALL_REDUCE_CHECKED
 from ..plan import MiB, BucketPlan
+from . import absent
 from ._graph import NodeMaker
 from .bucketing import Bucket, plan_buckets, to_plan
 from .coalesced import fuse_coalesced
@@ -97,7 +101,7 @@ def fuse_ddp_allreduces(
         return FusionResult(to_plan([], unfused, algorithm), [], unfused)
     before = dump.graph_code(graph) if dump.wanted(dump_dir) else None
 
-    buckets = plan_buckets(graph, grads) if grads else []
+    buckets = plan_buckets(graph, grads, unfused) if grads else []
     result = FusionResult(to_plan(buckets, unfused, algorithm), buckets, unfused)
     plans = group_plans(result.plan)
     plan_check.compiled_here(plans.values())
@@ -112,18 +116,26 @@ def fuse_ddp_allreduces(
     fused = []
     anchor_at = -1  # graph position of the node the previous bucket was placed after
     for i, (bucket, planned) in enumerate(zip(buckets, result.plan.buckets)):
-        # After its last gradient, and after the bucket planned before it: collectives
-        # are issued in plan order (the same on every rank with the same plan).
-        after = max((g.grad for g in bucket.grads), key=order.__getitem__)
-        if order[after] > anchor_at:
-            anchor_at = order[after]
-        else:
-            after = fused[-1].tails[-1][-1]  # the end of the previous bucket's nodes
         key = bucket.key
         divisors = guards[key.group_name, key.reduce_op, key.device]
-        last = max(bucket.grads, key=lambda g: order[g.grad])  # scaled by the checked divisor
+        # gradients of this graph (a find_unused_parameters bucket may also hold absent
+        # ones, made here: absent.py)
+        here = [g for g in bucket.grads if not g.is_absent]
+        # After its last gradient, and after the bucket planned before it: collectives
+        # are issued in plan order (the same on every rank with the same plan).
+        after = max((g.grad for g in here), key=order.__getitem__) if here else divisors[0]
+        if here and order[after] > anchor_at:
+            anchor_at = order[after]
+        elif fused:
+            after = fused[-1].tails[-1][-1]  # the end of the previous bucket's nodes
         label = f"bucket{i}"
-        copies, why = kept_grads(bucket, order, planned.hook is not None)
+        if bucket.laid_out:  # its absent gradients, right after `after`
+            after = absent.materialize(make, bucket, after, label)
+        # scaled by the checked divisor
+        last = max(here, key=lambda g: order[g.grad]) if here else bucket.grads[-1]
+        copies, why = kept_grads(Bucket(key, here), order, planned.hook is not None) if here else (None, None)
+        if copies is not None and len(here) < len(bucket.grads):
+            copies, why = None, "a parameter of it has no gradient on this rank (find_unused_parameters)"
         if why is not None:
             _note_copy_back(label, why)
         if planned.hook is not None:  # the model's comm hook reduces it (comm_hooks.py)
@@ -132,7 +144,9 @@ def fuse_ddp_allreduces(
             fused.append(fuse_in_place(make, bucket, copies, after, divisors, last, label, algorithm))
         else:
             fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label))
-    _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)})
+    _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)
+                         if not g.is_absent})
+    absent.insert_fixups(make, fused, absent.insert_used_starts(make, buckets, guards))
     for u, key in zip(checked, unfused_keys):
         _check_unfused(make, u, guards[key][1])
     # A reader of an early gradient in a bucket may sit before the bucket's collective
@@ -231,4 +245,4 @@ def _record(result: FusionResult) -> None:
     counters = _torch.dynamo.counters()["ddp_fusion"]
     counters["graphs"] += 1
     counters["buckets"] += len(result.buckets)
-    counters["fused_all_reduces"] += sum(len(b.grads) for b in result.buckets)
+    counters["fused_all_reduces"] += sum(not g.is_absent for b in result.buckets for g in b.grads)

@@ -32,8 +32,8 @@ class BucketKey:
 
 @dataclasses.dataclass
 class GradAllReduce:
-    node: torch.fx.Node  # the ddp_fusion::all_reduce_gradient call
-    grad: torch.fx.Node  # its input: the local gradient
+    node: torch.fx.Node | None  # the ddp_fusion::all_reduce_gradient call (None: absent)
+    grad: torch.fx.Node | None  # its input: the local gradient (absent: made by the pass)
     key: BucketKey
     shape: tuple[int, ...]
     numel: int
@@ -41,10 +41,18 @@ class GradAllReduce:
     name: str  # parameter name given by the hook, may be ""
     ready_order: int = -1
     """Position in eager autograd's ready order, from the hook; -1: unknown."""
+    absent: int = -1
+    """A parameter of a ``find_unused_parameters`` model that this rank's graph has no
+    gradient for: its index in the model (ddp_fusion/unused.py); -1: a gradient of
+    the graph."""
 
     @property
     def label(self) -> str:
         return self.name or self.node.name
+
+    @property
+    def is_absent(self) -> bool:
+        return self.absent >= 0
 
 
 @dataclasses.dataclass
