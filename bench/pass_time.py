@@ -23,6 +23,7 @@ left in the graph is reported so that one can see each pass really fused.
     cd /work/main && python -m bench.pass_time                 # N = 100 ... 3200
     python -m bench.pass_time --quick                          # N = 100, 200, 400
     python -m bench.pass_time --sizes 100,1000 --skip-upstream-above 400
+    python -m bench.pass_time --shape kept --sizes 800,3200   # into kept .grads (in place)
 
 Writes a table to stdout and ``bench/out/pass_time.json``.
 """
@@ -57,6 +58,7 @@ COLLECTIVES = {
     torch.ops.ddp_fusion.all_reduce_gradient.default,
     torch.ops.ddp_fusion.all_reduce_bucket.default,
     torch.ops.ddp_fusion.all_reduce_bucket_coalesced.default,
+    torch.ops.ddp_fusion.all_reduce_in_place.default,
 }
 
 
@@ -81,6 +83,24 @@ def backward_like(n: int, reduce: Callable[[torch.Tensor, int], torch.Tensor]):
 def ours_graph(n: int) -> torch.fx.GraphModule:
     fn = backward_like(n, lambda g, i: ddp_fusion.all_reduce_gradient(g, name=f"p{i}"))
     return make_fx(fn, tracing_mode="fake")(torch.empty(SHAPE))
+
+
+def ours_kept_graph(n: int) -> torch.fx.GraphModule:
+    """The kept-``.grad`` shape: each reduced gradient copied into an existing tensor (a
+    graph input), as the compiled backward does where ``.grad`` outlives the step
+    (``zero_grad(set_to_none=False)``, accumulation); the pass reduces it in place."""
+
+    def fn(x, *kept):
+        dh = x
+        for i, out in enumerate(kept):
+            dh = dh * 0.5
+            out.copy_(ddp_fusion.all_reduce_gradient(dh + float(i), name=f"p{i}"))
+        return list(kept)
+
+    return make_fx(fn, tracing_mode="fake")(*(torch.empty(SHAPE) for _ in range(n + 1)))
+
+
+GRAPHS = {"chain": ours_graph, "kept": ours_kept_graph}
 
 
 def upstream_graph(n: int) -> torch.fx.GraphModule:
@@ -187,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="runs per measurement, best kept (runs over 10 s: 1)")
     parser.add_argument("--skip-upstream-above", type=int, default=3200, metavar="N",
                         help="do not run upstream's pass for graphs of more than N gradients")
+    parser.add_argument("--shape", choices=sorted(GRAPHS), default="chain",
+                        help="chain: each gradient a new tensor; kept: each copied into a graph "
+                             "input (a kept .grad; upstream's pass is not run on it)")
     parser.add_argument("--out", default="pass_time.json", help="JSON output (relative: under bench/out/)")
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else tuple(int(s) for s in args.sizes.split(","))
@@ -203,24 +226,25 @@ def main(argv: list[str] | None = None) -> None:
     # pay them on a small graph so that they are not counted in any measurement.
     run_ours("concat")(ours_graph(8))
     run_ours("coalesced")(ours_graph(8))
+    run_ours("concat")(ours_kept_graph(8))
     run_upstream(upstream_graph(8))
 
+    graph = GRAPHS[args.shape]
     rows = []
     for n in sizes:
         row = {
             "n": n,
-            "ours_concat": measure("ours concat", n, ours_graph, run_ours("concat"),
-                                   args.repeats),
-            "ours_coalesced": measure("ours coalesced", n, ours_graph,
-                                      run_ours("coalesced"), args.repeats),
+            "ours_concat": measure("ours concat", n, graph, run_ours("concat"), args.repeats),
+            "ours_coalesced": measure("ours coalesced", n, graph, run_ours("coalesced"), args.repeats),
             "upstream_concat": None,
         }
-        if n <= args.skip_upstream_above:
+        if args.shape == "chain" and n <= args.skip_upstream_above:
             row["upstream_concat"] = measure("upstream concat", n, upstream_graph,
                                              run_upstream, args.repeats)
         else:
-            print(f"  N={n:5d} upstream concat   skipped (--skip-upstream-above "
-                  f"{args.skip_upstream_above})", flush=True)
+            why = (f"--skip-upstream-above {args.skip_upstream_above}" if args.shape == "chain"
+                   else "not upstream's pattern")
+            print(f"  N={n:5d} upstream concat   skipped ({why})", flush=True)
         rows.append(row)
 
     print()
@@ -241,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_1min": {"before": load_before[0], "after": load_after[0]},
         "ddp_fusion_path": os.path.dirname(os.path.abspath(ddp_fusion.__file__)),
         "gradient_shape": list(SHAPE),
+        "graph_shape": args.shape,
         "upstream_bucket_mb": UPSTREAM_BUCKET_MB,
         "repeats": args.repeats,
         "rows": rows,

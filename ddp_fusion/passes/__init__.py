@@ -144,8 +144,8 @@ def fuse_ddp_allreduces(
             fused.append(fuse_in_place(make, bucket, copies, after, divisors, last, label, algorithm))
         else:
             fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label))
-    _replace_all(graph, {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs)
-                         if not g.is_absent})
+    new = {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs) if not g.is_absent}
+    _replace_all(graph, new | {old: out for fb in fused for old, out in fb.replaced.items()})
     absent.insert_fixups(make, fused, absent.insert_used_starts(make, buckets, guards))
     for u, key in zip(checked, unfused_keys):
         _check_unfused(make, u, guards[key][1])

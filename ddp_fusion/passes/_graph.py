@@ -11,6 +11,8 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from .. import _torch
+from ..ops import ALL_REDUCE_BUCKET, ALL_REDUCE_BUCKET_COALESCED, ALL_REDUCE_IN_PLACE, WAIT_BUCKET, \
+    WAIT_IN_PLACE
 
 
 class NodeMaker:
@@ -54,6 +56,8 @@ class NodeMaker:
         if val is None:
             with self.mode:
                 val = target(*fake_args, **fake_kwargs)
+        elif val is _RETURNS_NONE:
+            val = None
         node.meta["val"] = val
         return node
 
@@ -124,6 +128,21 @@ def _cat(mode: Any, op: Any, tensors: Any, dim: int = 0) -> Any:
     return _torch.tensors.fake_empty(mode, tensors[0], numel=sum(t.numel() for t in tensors))
 
 
+def _copy(mode: Any, op: Any, dst: Any, src: Any) -> Any:
+    # copy_ returns its destination (a gradient copied into its kept .grad)
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.shape == src.shape:
+        return dst
+    return None
+
+
+_RETURNS_NONE = object()
+"""A shortcut's answer for an op that returns nothing (the bucket collectives and waits)."""
+
+
+def _returns_none(mode: Any, op: Any, *args: Any) -> Any:
+    return _RETURNS_NONE
+
+
 def _convert(mode: Any, op: Any, x: Any, dtype: Any) -> Any:
     return _torch.tensors.fake_empty(mode, x, dtype) if _strictly_contiguous(x) else None
 
@@ -139,4 +158,11 @@ _SHORTCUTS: dict[Any, _Shortcut] = {
     _aten._foreach_div.Tensor: _scale_all,
     _aten.cat.default: _cat,
     torch.ops.prims.convert_element_type.default: _convert,
+    _aten.copy_.default: _copy,
+    # the bucket collectives and their waits, in place (ops.py)
+    ALL_REDUCE_BUCKET: _returns_none,
+    ALL_REDUCE_BUCKET_COALESCED: _returns_none,
+    WAIT_BUCKET: _returns_none,
+    ALL_REDUCE_IN_PLACE: _returns_none,
+    WAIT_IN_PLACE: _returns_none,
 }

@@ -133,13 +133,12 @@ def fuse_in_place(
         with make.graph.inserting_after(scaled):
             writes.append(make(aten.copy_.default, (dst, scaled), name=f"{label}_write"))
         kept.append(dst)
-        copy.replace_all_uses_with(dst)
-        make.graph.erase_node(copy)
     anchor = after if after is not last.grad else writes[bucket.grads.index(last)]
     with make.graph.inserting_after(anchor):
         collective = make(ALL_REDUCE_IN_PLACE, (writes, bucket.key.group_name, algorithm),
                           name=f"{label}_all_reduce_in_place")
     with make.graph.inserting_after(collective):
         wait = make(WAIT_IN_PLACE, (writes,), name=f"{label}_wait")
-    # the hooks' results become the kept .grads (the final copies are gone)
-    return FusedBucket(bucket, collective, [[wait]], kept, mutated=kept)
+    # the hooks' results become the kept .grads: the driver points the final copies'
+    # readers at them and erases the copies, with every bucket's in one rewrite
+    return FusedBucket(bucket, collective, [[wait]], kept, mutated=kept, replaced=dict(zip(copies, kept)))

@@ -39,6 +39,10 @@ class FusedBucket:
     mutated: list[torch.fx.Node] = dataclasses.field(default_factory=list)
     """Graph inputs the collective reduces in place (in_place.py): their readers after
     the collective read the reduced values, so the wait goes before them too."""
+    replaced: dict[torch.fx.Node, torch.fx.Node] = dataclasses.field(default_factory=dict)
+    """Nodes the bucket makes redundant (in_place.py: each final copy into a kept
+    ``.grad``) -> what their readers read instead; the driver rewrites the readers of
+    every bucket's at once (one rewrite of the graph output, not one per gradient)."""
 
 
 def sink_waits(graph: torch.fx.Graph, fused: list[FusedBucket], max_in_flight: int | None = None) -> None:
