@@ -13,7 +13,9 @@ ranks share them: an upper bound).
 Then, in the same run, the step time of a fused, compiled MLP (the demo's: 8 x
 Linear(512, 512), batch 64) with the check and with its exchange patched out
 (no host group), alternating per round on the same compiled model, so the check's share
-of a step shows. The rank functions are in bench/_lib/probes.py.
+of a step shows; and, with the check, whether each step's exchange had finished by the
+time the guard collected it (the main thread running backward meanwhile) and how long
+the guard blocked on it. The rank functions are in bench/_lib/probes.py.
 
     python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20] [--world-size 2]
 """
@@ -50,9 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nfused MLP step (8 x Linear(512, 512), batch 64), median of {args.steps} steps per "
           "round, slower rank", flush=True)
     steps = run_ranks(probes.plan_check_step, world_size=2, args=(args.rounds, args.steps), timeout=1200)
-    print(f"{'mode':<46}{'median ms':>11}{'max ms':>9}")
+    print(f"{'mode':<46}{'median':>11}{'max':>9}   (step: ms, slower rank; the guard: worst rank)")
     for mode in steps[0]:
-        per_round = [max(r[mode][i] for r in steps) for i in range(args.rounds)]
+        worst = min if mode.endswith("%") else max
+        per_round = [worst(r[mode][i] for r in steps) for i in range(args.rounds)]
         print(f"{mode:<46}{statistics.median(per_round):>11.2f}{max(per_round):>9.2f}")
 
 

@@ -38,7 +38,7 @@ from . import _torch, autocap, comm_hooks, effects, host_group, join, ready_orde
 from .config import config
 from .log import log
 from .ops import ALL_REDUCE_GRADIENT, HOOK, READY_NOT_LEARNED, READY_UNKNOWN
-from .plan import MiB
+from .plan import MiB, dims_in_memory, forget_element_orders, register_element_orders
 from .reducer import EagerReducer
 
 
@@ -332,7 +332,7 @@ def _check_not_hooked(params: list[tuple[str, torch.Tensor]], who: str) -> None:
 
 
 def _release(handles: list[Any], params: list[torch.Tensor], model_id: int,
-             layout: unused.Layout | None) -> None:
+             layout: unused.Layout | None, orders: dict) -> None:
     """Undo a model's hooks once it is garbage (weakref.finalize)."""
     ref = _syncs.get(model_id)
     if ref is not None and ref() is None:  # (the id may already be a new model's)
@@ -340,6 +340,7 @@ def _release(handles: list[Any], params: list[torch.Tensor], model_id: int,
         _hook_data.pop(model_id, None)
     if layout is not None:
         unused.unregister(model_id, layout)
+    forget_element_orders(model_id, orders)
     for h in handles:
         h.remove()
     for p in params:
@@ -430,7 +431,9 @@ class GradSync:
         self.host = host_group.of(group)
         reduced = {n for n, _ in params}
         settings_check.check(self.host, who, "at construction", {
-            "parameters": [[n, list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad]
+            # with each one's layout: its gradient's element order in a bucket (plan.py)
+            "parameters": [[n, list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad,
+                            list(dims_in_memory(_torch.tensors.local_tensor(p.detach())))]
                            for n, p in module.named_parameters()],
             "parameters not reduced": [n for n, p in module.named_parameters()
                                        if p.requires_grad and n not in reduced],
@@ -477,6 +480,7 @@ class GradSync:
                        if find_unused_parameters else None)
         unsynced = self.layout.unsynced if self.layout is not None else None
         self.reducer.unsynced = unsynced
+        orders = register_element_orders(self.model_id, params)
         _hook_data[self.model_id] = _HookData(self.state, self.reducer, group.group_name, limits,
                                               tuple(self.names), unsynced)
         self.handles = [p.register_post_accumulate_grad_hook(_make_hook(self.model_id, i))
@@ -484,7 +488,8 @@ class GradSync:
         me = weakref.ref(model)
         for _, p in params:
             _models[p] = me
-        weakref.finalize(model, _release, self.handles, [p for _, p in params], self.model_id, self.layout)
+        weakref.finalize(model, _release, self.handles, [p for _, p in params], self.model_id, self.layout,
+                         orders)
         # The join prelude runs eagerly, outside a compiled forward (made here, not at
         # import: torch.compiler.disable imports Dynamo).
         self._join_prelude = torch.compiler.disable(join.prelude)

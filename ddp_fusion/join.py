@@ -95,8 +95,10 @@ def prelude(sync: Joining, joinable: Any, buffers: list[torch.Tensor] | None) ->
     fused = state.compiled and config.enabled  # else the eager reducer's buckets
     flags = torch.tensor([1.0, float(syncs), float(fused)], device=sync.device)
     dist.all_reduce(flags, group=group)
-    active = int(flags[0].item())
-    scaling.set_divisor(group, group.size() if state.join_divide_by_initial else active)
+    # the ranks still training, as a 0-d tensor on the device: the divisor, never read
+    # on the host (on a GPU that would stall the host in every step, which torch DDP's
+    # active ranks do not)
+    scaling.set_divisor(group, group.size() if state.join_divide_by_initial else flags[0])
 
 
 class DDPJoinHook(JoinHook):

@@ -208,8 +208,9 @@ def pending() -> int:
 
 
 def _memory(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's memory as a 1-D view (an all-reduce is elementwise, so the
-    order of the elements does not matter); a contiguous tensor as itself."""
+    """A dense tensor's memory as a 1-D view; a contiguous tensor as itself. (The pass
+    reduces in place only ``.grad``s whose memory holds the elements in their bucket's
+    order, the same on every rank: passes/in_place.py.)"""
     if t.is_contiguous():
         return t.view(-1)
     if not is_dense(t):

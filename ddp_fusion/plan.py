@@ -126,6 +126,45 @@ def split_by_rule(
     return closed + list(open_.values())
 
 
+# Element order. An all-reduce adds the buffers of the ranks element by element, so a
+# gradient must sit in its bucket in the same element order on every rank, whatever the
+# layout of the tensor it comes from or goes into on each (a kept .grad a rank made
+# itself, say). That order is its parameter's layout (the order of its dimensions in
+# memory, as torch DDP's bucket views take it), the same on every rank: the models are
+# compared across ranks with their parameters' strides (settings_check.py).
+
+# model id -> parameter name -> its dimensions, outermost in memory first
+_element_orders: dict[int, dict[str, tuple[int, ...]]] = {}
+
+
+def dims_in_memory(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dimensions from outermost to innermost in memory if ``t`` is dense
+    (``t.permute(order)`` is contiguous: channels last, a transposed weight, ...);
+    its logical order otherwise."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    return order if not t.is_contiguous() and t.permute(order).is_contiguous() else tuple(range(t.dim()))
+
+
+def register_element_orders(model_id: int, params: Iterable[tuple[str, torch.Tensor]]) -> dict:
+    """Each parameter's layout, as the element order of its gradient in a bucket (see
+    above); returns what :func:`forget_element_orders` takes."""
+    orders = {name: dims_in_memory(_torch.tensors.local_tensor(p.detach())) for name, p in params}
+    _element_orders[model_id] = orders
+    return orders
+
+
+def forget_element_orders(model_id: int, orders: dict) -> None:
+    """Forget a model's orders (it is garbage), unless a new model took its id."""
+    if _element_orders.get(model_id) is orders:
+        del _element_orders[model_id]
+
+
+def element_order(model_id: int, name: str) -> tuple[int, ...] | None:
+    """The registered order of ``name``'s dimensions in its bucket; None where no model
+    registered it (``ddp_fusion.all_reduce_gradient`` called directly)."""
+    return _element_orders.get(model_id, {}).get(name)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -120,7 +120,7 @@ def plan_guard(
         h = _plan_hash(plan)
         if not (top == h and -neg_bottom == h):
             raise PlanMismatchError(describe_mismatch(host, ticket, group_name, h, plan))
-    return torch.full((), _divisor(group, reduce_op), dtype=torch.float32, device=device)
+    return _divisor_tensor(group, reduce_op, device)
 
 
 @plan_guard.register_fake
@@ -132,7 +132,7 @@ def _(token, group_name, plan, reduce_op, device):
 def plan_divisor(group_name: str, reduce_op: str, device: torch.device) -> torch.Tensor:
     """What :func:`plan_guard` returns, without waiting for the check: the bucket divisor
     for ``reduce_op`` as a 0-d float32 tensor on ``device``."""
-    return torch.full((), _divisor(_group(group_name), reduce_op), dtype=torch.float32, device=device)
+    return _divisor_tensor(_group(group_name), reduce_op, device)
 
 
 @plan_divisor.register_fake
@@ -165,8 +165,12 @@ def shadow_exchange(group: dist.ProcessGroup) -> str:
     return published_plan(top)
 
 
-def _divisor(group: dist.ProcessGroup, reduce_op: str) -> int:
-    return scaling.divisor(group) if reduce_op == "avg" else 1  # "sum"; "hook": the hook scales
+def _divisor_tensor(group: dist.ProcessGroup, reduce_op: str, device: torch.device) -> torch.Tensor:
+    """The bucket divisor for ``reduce_op`` as a new 0-d float32 tensor on ``device``."""
+    d = scaling.divisor(group) if reduce_op == "avg" else 1  # "sum"; "hook": the hook scales
+    if isinstance(d, torch.Tensor):  # the ranks still training in a join context
+        return d.to(device=device, dtype=torch.float32, copy=True)
+    return torch.full((), d, dtype=torch.float32, device=device)
 
 
 PLAN_CHECK_START = torch.ops.ddp_fusion.plan_check_start.default

@@ -3,23 +3,26 @@
 The group size, read from the live group at run time (nothing about the group is baked
 into a compiled graph), unless a ``join()`` context with
 ``divide_by_initial_world_size=False`` sets the number of ranks still training for the
-step (join.py). The plan guard (plan_check.py) and the eager reducer read it.
+step (join.py): a 0-d tensor on the model's device, the all-reduced count, never read
+on the host. The plan guard (plan_check.py) and the eager reducer read it.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 # group name -> divisor of the group's "avg" buckets, while a join context sets it
-_divisors: dict[str, int] = {}
+_divisors: dict[str, int | torch.Tensor] = {}
 
 
-def divisor(group: dist.ProcessGroup) -> int:
-    """What an ``avg`` bucket of ``group`` is divided by in this step."""
+def divisor(group: dist.ProcessGroup) -> int | torch.Tensor:
+    """What an ``avg`` bucket of ``group`` is divided by in this step: a number, or a
+    0-d tensor on the group's device."""
     return _divisors.get(group.group_name, group.size())
 
 
-def set_divisor(group: dist.ProcessGroup, value: int | None) -> None:
+def set_divisor(group: dist.ProcessGroup, value: int | torch.Tensor | None) -> None:
     """Set (None: clear) the divisor of ``group``'s ``avg`` buckets. One per group: two
     models on one group inside join contexts with different
     ``divide_by_initial_world_size`` would share it (not supported)."""

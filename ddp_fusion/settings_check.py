@@ -15,7 +15,8 @@ rank receives group rank 0's settings (a tree broadcast), writes what differs fr
 to the store, and group rank 0 groups the ranks by difference.
 
 Settings are a flat ``dict`` of JSON-able values; ``"parameters"`` is the list of
-``[name, shape, dtype, requires_grad]`` of the module's parameters.
+``[name, shape, dtype, requires_grad, layout]`` of the module's parameters (layout: the
+order of its dimensions in memory, outermost first; see plan.py, "Element order").
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def _parameter_difference(mine: list[Any], rank0: list[Any]) -> str:
 
 
 def _param(p: list[Any]) -> str:
-    name, shape, dtype, requires_grad = p
-    return f"{name!r} {tuple(shape)} {dtype}{'' if requires_grad else ' requires_grad=False'}"
+    name, shape, dtype, requires_grad, dims = p
+    layout = "" if dims == sorted(dims) else f" laid out with dimensions {tuple(dims)} outermost first"
+    return f"{name!r} {tuple(shape)} {dtype}{'' if requires_grad else ' requires_grad=False'}{layout}"
 
 
 def _describe(who: str, when: str, host: HostGroup, payloads: dict[int, str]) -> str:

@@ -53,7 +53,9 @@ def count_host_reads():
 def steady_steps(rank, world_size, steps):
     """A compiled, fused model after its first steps: per steady step (forward,
     backward, SGD step), the host reads of tensor values, and the collectives c10d's
-    flight recorder saw, by process group."""
+    flight recorder saw, by process group; then the same inside ``join()`` (with
+    ``divide_by_initial_world_size=False``: the divisor is the count of ranks still
+    training, all of them here), under ``"join_reads"`` and ``"join_collectives"``."""
     torch._dynamo.reset()
     with ddp_fusion.config.patch(enabled=True):
         ddp = ddp_fusion.DistributedDataParallel(Net(), bucket_cap_mb=0.002)  # 2 buckets
@@ -68,12 +70,21 @@ def steady_steps(rank, world_size, steps):
 
         for _ in range(3):  # compile, learn, settle
             step()
-        before = max((i for i, _, _ in _torch.distributed.collectives_recorded()), default=-1)
-        with count_host_reads() as reads:
-            for _ in range(steps):
-                step()
-        seen = [(name, group) for i, name, group in _torch.distributed.collectives_recorded() if i > before]
-    return {"reads": reads, "collectives": seen, "group": ddp.process_group.group_name}
+        out = {"group": ddp.process_group.group_name}
+        for label in ("", "join_"):
+            with contextlib.ExitStack() as stack:
+                if label:
+                    stack.enter_context(ddp.join(divide_by_initial_world_size=False))
+                    for _ in range(2):  # the prelude's first steps
+                        step()
+                before = max((i for i, _, _ in _torch.distributed.collectives_recorded()), default=-1)
+                with count_host_reads() as reads:
+                    for _ in range(steps):
+                        step()
+                out[f"{label}reads"] = reads
+                out[f"{label}collectives"] = [(name, group) for i, name, group
+                                              in _torch.distributed.collectives_recorded() if i > before]
+    return out
 
 
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",

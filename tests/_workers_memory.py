@@ -149,3 +149,58 @@ def kept_grads(rank, world_size, cap=0.03, steps=6):
 def _make_grads(model):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
+
+
+class _Layouts(torch.nn.Module):
+    """Parameters in three layouts: a channels-last convolution, a weight stored
+    transposed, and plain ones."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1).to(memory_format=torch.channels_last)
+        self.w = torch.nn.Parameter(torch.randn(16, 8 * 6 * 6).t() / 20)  # (288, 16), strides (1, 288)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x.to(memory_format=torch.channels_last))).flatten(1)
+        return self.head(torch.tanh(h @ self.w))
+
+
+def _train_remade_grads(model, module, batches, rank, lr=0.1):
+    """``zero_grad(set_to_none=False)`` SGD; after step 1, rank 1 replaces the
+    convolution's and the transposed weight's ``.grad`` with contiguous zeros (a
+    layout unlike its parameter's, and unlike rank 0's)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step, x in enumerate(batches, 1):
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+        if step == 1 and rank == 1:
+            for p in (module.conv.weight, module.w):
+                p.grad = torch.zeros(p.shape)
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def layouts_per_rank(rank, world_size, steps=5):
+    """Issue 37: kept ``.grad``s laid out differently on the two ranks. Parameters after
+    ``steps`` steps, compiled (stock torch DDP + flag, concat; the wrapper, coalesced),
+    against eager torch DDP trained the same way; and the in-place counters."""
+    from torch._dynamo.utils import counters
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(4, 3, 6, 6, generator=gen) for _ in range(steps)]
+    base = _Layouts()
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    want = _train_remade_grads(ref, ref.module, batches, rank)
+    out = {"moved": _max_diff(want, [p.detach() for p in base.parameters()])}
+    for label, algorithm in (("stock", "concat"), ("wrapper", "coalesced")):
+        torch._dynamo.reset()
+        counters["ddp_fusion"].clear()
+        with ddp_fusion.config.patch(enabled=True, algorithm=algorithm):
+            ddp = (torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base)) if label == "stock"
+                   else ddp_fusion.DistributedDataParallel(copy.deepcopy(base)))
+            got = _train_remade_grads(torch.compile(ddp), ddp.module, batches, rank)
+        out[label] = {"diff": _max_diff(got, want), "params": [p.tolist() for p in got],
+                      "counters": dict(counters["ddp_fusion"])}
+    return out

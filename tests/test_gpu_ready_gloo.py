@@ -1,8 +1,8 @@
 """What a GPU would punish and gloo on the CPU forgives, checked on 2 gloo ranks:
 
-* a steady step of a compiled, fused model reads no tensor value on the host (on a GPU
-  each read is a device sync: the host loses its run-ahead in the middle of backward),
-  and issues on the model's process group exactly its buckets' all-reduces: the
+* a steady step of a compiled, fused model, inside ``join()`` too, reads no tensor
+  value on the host (on a GPU each read is a device sync: the host loses its run-ahead
+  in the middle of backward), and issues on the model's process group exactly its buckets' all-reduces: the
   per-step plan check runs on the host group (host_group.py), not as an all-gather of
   one value per rank on the model's group (O(N) hops in a ring);
 * every tensor ddp_fusion hands to a collective is on the model's device: with
@@ -25,6 +25,12 @@ def test_a_steady_step_reads_nothing_on_the_host_and_issues_only_its_buckets(mon
         assert r["reads"] == {}, r
         # Net's two buckets at bucket_cap_mb=0.002: (b.bias, b.weight), (a.bias, a.weight)
         assert r["collectives"] == [("gloo:all_reduce", r["group"])] * (STEPS * 2), r
+        # inside join(), per step also torch's Join's notice that this rank still trains
+        # and the prelude's all-reduce of the ranks still training (torch DDP issues
+        # both too); that count stays on the device as the divisor (before: a host read
+        # in every forward)
+        assert r["join_reads"] == {}, r
+        assert r["join_collectives"] == [("gloo:all_reduce", r["group"])] * (STEPS * 4), r
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

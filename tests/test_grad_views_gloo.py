@@ -11,7 +11,7 @@ import pytest
 
 from ddp_fusion.launch import run_ranks
 
-from _workers_memory import grads_as_bucket_views, kept_grads
+from _workers_memory import grads_as_bucket_views, kept_grads, layouts_per_rank
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +87,18 @@ def test_ranks_whose_grads_are_laid_out_differently_issue_the_same_collectives(k
     for got in (zero, one):
         assert got["compiled"] < 1e-6 and got["compiled_same"], got
     assert zero["params"] == one["params"]
+
+
+def test_kept_grads_laid_out_differently_on_each_rank_train_as_eager_ddp():
+    """Issue 37: a channels-last convolution and a transposed weight whose kept ``.grad``
+    rank 1 remade contiguous after step 1 (rank 0 keeps the first step's, laid out as
+    the parameters). Both ranks must add the same elements: each gradient sits in its
+    bucket in its parameter's layout on every rank. (Before, each rank reduced its
+    ``.grad``s in their own memory order: the ranks ended ~2e-2 apart, no error.)"""
+    results = run_ranks(layouts_per_rank, world_size=2, timeout=900)
+    for r in results:
+        assert r["moved"] > 1e-2, r["moved"]
+        for label in ("stock", "wrapper"):
+            assert r[label]["diff"] < 1e-5, (label, r[label]["diff"], r[label]["counters"])
+    for label in ("stock", "wrapper"):
+        assert results[0][label]["params"] == results[1][label]["params"], label

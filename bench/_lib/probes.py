@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 import unittest.mock
@@ -69,7 +68,10 @@ def _demo_mlp(width: int = 512, depth: int = 8) -> nn.Module:
 def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
     """Median step ms per round of the demo MLP, fused and compiled, with the plan check
     and with its exchange patched out (no host group: no exchange, no comparison),
-    alternating per round on the same compiled model."""
+    alternating per round on the same compiled model. With the check, also per round:
+    the share of steps whose exchange had finished when the guard came to collect it
+    (the main thread busy in backward meanwhile), and the median time the guard
+    blocked on it (us)."""
     with ddp_fusion.config.patch(enabled=True):
         model = torch.compile(ddp_fusion.DistributedDataParallel(_demo_mlp()))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -82,11 +84,24 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
 
         for _ in range(3):  # compiles
             step()
-        out: dict[str, list[float]] = {"with check": [], "check patched out": []}
+        collected: list[tuple[bool, float]] = []
+        outcome = plan_check._outcome
+
+        def timed_outcome(exchange, group_name):
+            done, t0 = exchange.done(), time.perf_counter()
+            result = outcome(exchange, group_name)
+            collected.append((done, (time.perf_counter() - t0) * 1e6))
+            return result
+
+        modes = ("with check", "check patched out")
+        out: dict[str, list[float]] = {m: [] for m in modes}
+        out |= {"exchange done at the guard, %": [], "guard blocked, median us": []}
         for _ in range(rounds):
-            for mode in out:
-                patch = (contextlib.nullcontext() if mode == "with check"
+            for mode in modes:
+                patch = (unittest.mock.patch.object(plan_check, "_outcome", timed_outcome)
+                         if mode == "with check"
                          else unittest.mock.patch.object(host_group, "of", lambda group: None))
+                collected.clear()
                 with patch:
                     times = []
                     for _ in range(steps):
@@ -95,6 +110,10 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
                         step()
                         times.append((time.perf_counter() - t0) * 1e3)
                 out[mode].append(statistics.median(times))
+                if mode == "with check":
+                    done = sum(d for d, _ in collected) / len(collected)
+                    out["exchange done at the guard, %"].append(100 * done)
+                    out["guard blocked, median us"].append(statistics.median(w for _, w in collected))
     return out
 
 

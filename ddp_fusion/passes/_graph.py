@@ -65,17 +65,6 @@ class NodeMaker:
         return t if _torch.tensors.is_fake(t) else self.mode.from_tensor(t)
 
 
-def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The order of ``t``'s dimensions from outermost to innermost in memory, if ``t``
-    is dense and non-overlapping but not contiguous (a channels-last gradient, say):
-    ``t.permute(order)`` is then a contiguous view of the same memory. None otherwise."""
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
-    permuted = t.permute(order)
-    if t.is_contiguous() or not permuted.is_contiguous():
-        return None
-    return order
-
-
 # Fake-tensor propagation is most of the pass's cost (a few nodes per gradient). The
 # nodes the pass makes per gradient or bucket get their values without fake dispatch:
 # views are computed on the meta data (_torch.tensors.fake_view_op), fresh results are new fake

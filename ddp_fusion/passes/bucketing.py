@@ -34,7 +34,7 @@ import torch.fx
 from .. import _torch, unused
 from ..log import log
 from ..ops import HOOK, READY_UNKNOWN
-from ..plan import BucketPlan, BucketRule, PlannedBucket, split_by_rule
+from ..plan import BucketPlan, BucketRule, PlannedBucket, element_order, split_by_rule
 from ..ready_order import graph_order
 from .collectives import BucketKey, GradAllReduce, Unfused, op_args
 
@@ -175,7 +175,8 @@ def _expand(layout: unused.Layout, mine: list[GradAllReduce]) -> tuple[list[Grad
             wire = None if comm_dtype in (None, slot.dtype) else comm_dtype
             key = dataclasses.replace(first.key, dtype=slot.dtype, comm_dtype=wire)
             g = GradAllReduce(None, None, key, slot.shape, slot.numel, slot.numel * slot.dtype.itemsize,
-                              slot.name, ready_order=r, absent=slot.index)
+                              slot.name, ready_order=r, absent=slot.index,
+                              order=element_order(first.key.model_id, slot.name))
         entries.append(g)
     return entries, None
 

@@ -11,9 +11,10 @@ No flat buffer and no copy out: the reduced tensors become the gradients; the ba
 still sees one call per bucket. The collective and its wait are ddp_fusion's ops
 (ops.py), tagged cudagraph-unsafe (see concat.py); the views after the wait (or the
 casts back) are what the rest of the graph reads, so every reader follows the wait.
-A dense gradient that is not contiguous (channels last) is reduced as its contiguous
-``permute`` view and permuted back, so it keeps its strides; one that is not dense is
-cloned contiguous. With a ``comm_dtype`` each gradient is cast before the division and
+Each gradient is reduced in its parameter's layout (plan.py, "Element order": the
+same element order on every rank): permuted to that order of its dimensions (a view),
+cloned contiguous where its memory is not in that order, and permuted back after.
+With a ``comm_dtype`` each gradient is cast before the division and
 cast back after the wait.
 """
 
@@ -25,9 +26,9 @@ import torch
 import torch.fx
 
 from ..ops import ALL_REDUCE_BUCKET_COALESCED, WAIT_BUCKET
-from ._graph import NodeMaker, memory_order
+from ._graph import NodeMaker
 from .bucketing import Bucket
-from .collectives import GradAllReduce
+from .collectives import GradAllReduce, is_identity as _is_identity
 from .schedule import FusedBucket
 
 aten = torch.ops.aten
@@ -48,16 +49,9 @@ def fuse_coalesced(
     key = bucket.key
     divisor, checked = divisors
     with make.graph.inserting_before(after.next):
-        # all_reduce_coalesced returns contiguous tensors whatever its inputs' strides
-        orders = [_order(g.grad.meta["val"]) for g in bucket.grads]
-        grads = [
-            g.grad
-            if order == ()
-            else make(aten.permute.default, (g.grad, list(order)))
-            if order is not None
-            else make(aten.clone.default, (g.grad,), {"memory_format": torch.contiguous_format})
-            for g, order in zip(bucket.grads, orders)
-        ]
+        # each gradient contiguous in its bucket order (a view where it already is)
+        orders = [g.dims() for g in bucket.grads]
+        grads = [_in_order(make, g, order) for g, order in zip(bucket.grads, orders)]
         if key.comm_dtype is not None:
             grads = [
                 make(prims.convert_element_type.default, (g, key.comm_dtype))
@@ -88,7 +82,7 @@ def fuse_coalesced(
             if key.comm_dtype is not None:
                 out = make(prims.convert_element_type.default, (out, key.dtype))
                 tail.append(out)
-            if orders[i]:
+            if not _is_identity(orders[i]):
                 inverse = sorted(range(len(orders[i])), key=orders[i].__getitem__)
                 out = make(aten.permute.default, (out, inverse))
                 tail.append(out)
@@ -99,7 +93,8 @@ def fuse_coalesced(
     return FusedBucket(bucket, collective, [tail], outputs, mutated=inputs)
 
 
-def _order(val: torch.Tensor) -> tuple[int, ...] | None:
-    """``()``: contiguous; a dimension order: dense, reduced as that permute view;
-    None: not dense (cloned)."""
-    return () if val.is_contiguous() else memory_order(val)
+def _in_order(make: NodeMaker, g: GradAllReduce, order: tuple[int, ...]) -> torch.fx.Node:
+    out = g.grad if _is_identity(order) else make(aten.permute.default, (g.grad, list(order)))
+    if out.meta["val"].is_contiguous():
+        return out
+    return make(aten.clone.default, (out,), {"memory_format": torch.contiguous_format})

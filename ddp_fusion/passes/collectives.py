@@ -15,6 +15,7 @@ import torch.fx
 
 from .. import _torch
 from ..ops import ALL_REDUCE_GRADIENT
+from ..plan import dims_in_memory, element_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,16 @@ class GradAllReduce:
     """A parameter of a ``find_unused_parameters`` model that this rank's graph has no
     gradient for: its index in the model (ddp_fusion/unused.py); -1: a gradient of
     the graph."""
+
+    order: tuple[int, ...] | None = None
+    """The order of its dimensions in its bucket, its parameter's layout, the same on
+    every rank (plan.py: "Element order"); None: no model registered it."""
+
+    def dims(self) -> tuple[int, ...]:
+        """The order of its dimensions in its bucket: the registered one, else that of
+        the gradient's own memory (a gradient of ``all_reduce_gradient`` called
+        directly)."""
+        return self.order if self.order is not None else dims_in_memory(self.grad.meta["val"])
 
     @property
     def label(self) -> str:
@@ -107,9 +118,19 @@ def find_gradient_all_reduces(
                 nbytes=val.numel() * val.element_size(),
                 name=name,
                 ready_order=ready_order,
+                order=_order(model_id, name, val),
             )
         )
     return found, unfused
+
+
+def is_identity(order: tuple[int, ...]) -> bool:
+    return all(i == d for i, d in enumerate(order))
+
+
+def _order(model_id: int, name: str, val: torch.Tensor) -> tuple[int, ...] | None:
+    order = element_order(model_id, name)
+    return order if order is not None and len(order) == val.dim() else None
 
 
 def op_args(node: torch.fx.Node) -> tuple:

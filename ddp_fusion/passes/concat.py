@@ -24,11 +24,13 @@ stays after the wait because the whole tail moves as one (schedule.py) and Induc
 orders reads of a buffer after the op that mutates it.
 
 The reduced gradients are views of the bucket's buffer: nothing is copied back. Each
-``r_i`` has its gradient's strides (a channels-last gradient is flattened in memory
-order, by a ``permute`` view, and comes back as one), so the hook that set ``.grad =
-r_i`` keeps the gradient layout contract; a gradient that is not dense is reshaped (a
-copy) and comes back contiguous. With a ``comm_dtype`` each gradient is cast before its
-division, and the reduced buffer cast back after the wait.
+gradient sits in the bucket in its parameter's layout (plan.py, "Element order": the
+same element order on every rank), so ``r_i`` has the parameter's strides, as torch
+DDP's bucket views do (the gradient layout contract). A gradient already laid out so
+(a channels-last one of a channels-last convolution) is flattened by a ``permute``
+view; one that is not is copied in that order by the ``cat``. With a ``comm_dtype``
+each gradient is cast before its division, and the reduced buffer cast back after the
+wait.
 
 ``divisor`` and ``checked`` are the 0-d divisors from the group's ``plan_divisor`` and
 ``plan_guard`` (guard.py; the same value, the second after the cross-rank plan check;
@@ -45,9 +47,9 @@ import torch
 import torch.fx
 
 from ..ops import ALL_REDUCE_BUCKET, WAIT_BUCKET
-from ._graph import NodeMaker, memory_order
+from ._graph import NodeMaker
 from .bucketing import Bucket
-from .collectives import GradAllReduce
+from .collectives import GradAllReduce, is_identity as _is_identity
 from .schedule import FusedBucket
 
 aten = torch.ops.aten
@@ -99,28 +101,30 @@ def fuse_concat(
 
 
 def _flatten(make: NodeMaker, g: GradAllReduce) -> torch.fx.Node:
-    # Fake-tensor propagation dominates the pass's cost, so make no node where none is
-    # needed: a 1-D gradient is already flat, a contiguous one only needs a view.
-    val = g.grad.meta["val"]
+    """``g``'s elements in its bucket's order (plan.py: its parameter's layout, the
+    same on every rank): a view where its memory is in that order, else a copy.
+    Fake-tensor propagation dominates the pass's cost, so no node where none is needed:
+    a 1-D gradient is already flat, a contiguous one only needs a view."""
+    val, order = g.grad.meta["val"], g.dims()
     if val.dim() == 1:
         return g.grad
-    if val.is_contiguous():
+    if _is_identity(order) and val.is_contiguous():
         return make(aten.view.default, (g.grad, [-1]))
-    order = memory_order(val)
-    if order is None:  # not dense: copy
-        return make(aten.reshape.default, (g.grad, [-1]))
-    permuted = make(aten.permute.default, (g.grad, list(order)))
-    return make(aten.view.default, (permuted, [-1]))
+    permuted = g.grad if _is_identity(order) else make(aten.permute.default, (g.grad, list(order)))
+    if val.permute(order).is_contiguous():
+        return make(aten.view.default, (permuted, [-1]))
+    return make(aten.reshape.default, (permuted, [-1]))  # a copy, in the bucket's order
 
 
 def _unflatten(make: NodeMaker, g: GradAllReduce, part: torch.fx.Node) -> list[torch.fx.Node]:
-    """Views of the flat ``part`` with the gradient's shape and (if dense) strides."""
-    val = g.grad.meta["val"]
+    """Views of the flat ``part`` with the gradient's shape, laid out in the bucket's
+    order (its parameter's layout)."""
+    val, order = g.grad.meta["val"], g.dims()
     if val.dim() == 1:
         return []
-    order = None if val.is_contiguous() else memory_order(val)
-    if order is None:
+    if _is_identity(order):
         return [make(aten.view.default, (part, list(g.shape)))]
     shaped = make(aten.view.default, (part, [g.shape[d] for d in order]))
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return [shaped, make(aten.permute.default, (shaped, inverse))]
+

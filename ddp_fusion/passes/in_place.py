@@ -30,8 +30,11 @@ the local gradients of kernels that cannot write into them (an ``mm``'s output).
 
 A bucket is reduced this way when each of its gradients goes, and only goes, into the
 final copy to a graph input (a kept ``.grad``) of its shape, dtype and device, nothing
-reads that input after the gradient is computed, the input is dense, and the bucket has
-no communication dtype and no comm hook (those keep a buffer of their own).
+reads that input after the gradient is computed, the input is dense and laid out as its
+parameter (its memory then holds the elements in the bucket's order, the same on every
+rank: plan.py, "Element order"; a ``.grad`` a rank made otherwise gets a copy back),
+and the bucket has no communication dtype and no comm hook (those keep a buffer of
+their own).
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ def kept_grads(bucket: Bucket, order: dict[torch.fx.Node, int],
                 and want.shape == got.shape and want.dtype == got.dtype and want.device == got.device
                 and is_dense(want)):
             return None, f"the .grad of {g.label} is not dense, or not of its gradient's shape and dtype"
+        if not want.permute(g.dims()).is_contiguous():
+            # reduced in place, its memory would meet other ranks' in another order
+            return None, (f"the .grad of {g.label} (strides {list(want.stride())}) is not laid out as "
+                          "its parameter (its bucket's element order, the same on every rank)")
     return copies, None
 
 
