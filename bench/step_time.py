@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
             cap_s = "torch default (1 MiB first bucket, then 25 MiB)" if cap is None else f"{cap:g} MiB"
             print(f"\n== {model}: {MODELS[model].desc}; {info['num_params']:,} params in "
                   f"{info['num_tensors']} tensors; bucket cap {cap_s} ==\n{text}")
+            host_text = report.host_table(model, merged, cap, info["num_tensors"])
+            if host_text:
+                print(f"-- over each mode's own compute floor (medians) --\n{host_text}")
             bytes_text = report.bytes_table(model, merged, cap, args.device)
             print(f"-- collectives and bytes per step (rank 0, one profiled step) --\n{bytes_text}")
             result["tables"][f"{model}|{cap}"] = {"text": text, "bytes_text": bytes_text, **summary}

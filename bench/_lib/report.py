@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench._lib.modes import AOT_FLOOR, COMM_FLOOR, FLOORS
+from bench._lib.modes import AOT_FLOOR, CA_FLOOR, COMM_FLOOR, EAGER_FLOOR, FLOORS
 
 SWEEP_MODES = ("eager_ddp", "ddp_fusion_concat", "ddp_fusion_coalesced")
 
@@ -63,6 +63,39 @@ def step_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[s
     if bound:
         lines.append(f"lower bound = max({AOT_FLOOR}, {COMM_FLOOR}) = {bound:.2f} ms")
     return "\n".join(lines), summary
+
+
+def own_floor(mode: str) -> str:
+    """The compute floor a mode's data-parallel work adds to: eager DDP's is the eager
+    model, DDPOptimizer's the compiled one, every compiled-autograd mode's (ddp_fusion,
+    upstream's) the compiled model under compiled autograd."""
+    if mode.startswith("eager_ddp"):
+        return EAGER_FLOOR
+    return AOT_FLOOR if mode == "ddp_optimizer" else CA_FLOOR
+
+
+def host_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, num_tensors: int) -> str | None:
+    """Each mode's median step over its own compute floor (its data-parallel cost: on a
+    host-bound model, host time), and for ddp_fusion that cost per parameter and per
+    bucket (all-reduce of the profiled step). None where no floor was run."""
+    rows = _rows(model, jobs, cap)
+    floors = {j["mode"]: j["median_ms"] for j in rows if j["mode"] in FLOORS and "median_ms" in j}
+    if not floors:
+        return None
+    head = f"{'mode':<38}{'over floor ms':>14}  {'floor':<27}{'us/parameter':>13}{'us/bucket':>11}"
+    lines = [head, "-" * len(head)]
+    for j in rows:
+        floor = own_floor(j["mode"])
+        if j["mode"] in FLOORS or "median_ms" not in j or floor not in floors:
+            continue
+        over = j["median_ms"] - floors[floor]
+        per_param = per_bucket = ""
+        if j["mode"].startswith("ddp_fusion"):
+            buckets = sum(j.get("collectives", {}).values())
+            per_param = f"{over * 1e3 / num_tensors:.1f}"
+            per_bucket = f"{over * 1e3 / buckets:.0f}" if buckets else "-"
+        lines.append(f"{j['mode']:<38}{over:>14.2f}  {floor:<27}{per_param:>13}{per_bucket:>11}")
+    return "\n".join(lines)
 
 
 def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: str) -> str:
