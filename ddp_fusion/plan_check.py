@@ -116,7 +116,7 @@ def plan_guard(
     pending = _pending.pop((group_name, plan), None)  # None: checked by this group's other guard
     if pending is not None:
         host, ticket, exchange = pending
-        top, neg_bottom = _outcome(exchange, group_name)
+        top, neg_bottom = outcome(exchange, group_name)
         h = _plan_hash(plan)
         if not (top == h and -neg_bottom == h):
             raise PlanMismatchError(describe_mismatch(host, ticket, group_name, h, plan))
@@ -140,7 +140,8 @@ def _(group_name, reduce_op, device):
     return torch.empty((), dtype=torch.float32, device=device)
 
 
-def _outcome(exchange: concurrent.futures.Future, group_name: str) -> list[int]:
+def outcome(exchange: concurrent.futures.Future, group_name: str) -> list[int]:
+    """The result of a plan check's exchange, waited for (bench.plan_check times it)."""
     try:
         return exchange.result()
     except Exception as e:
@@ -159,7 +160,7 @@ def shadow_exchange(group: dist.ProcessGroup) -> str:
     if host is None:
         raise RuntimeError(f"ddp_fusion: join(): process group {group.group_name!r} has no peers")
     ticket = host.ticket()
-    top, neg_bottom = _outcome(host.max_async([NEUTRAL, NEUTRAL]), group.group_name)
+    top, neg_bottom = outcome(host.max_async([NEUTRAL, NEUTRAL]), group.group_name)
     if top != -neg_bottom:
         raise PlanMismatchError(describe_mismatch(host, ticket, group.group_name, None))
     return published_plan(top)

@@ -52,6 +52,8 @@ REQUIRED = (
 UNCHECKED = {
     "_orig_mod": "the module a torch.compile'd module wraps (set in OptimizedModule.__init__); "
                  "read with getattr and a default",
+    "_get_ddp_logging_data": "torch DDP's logging record (a method of DistributedDataParallel; "
+                             "its bucket sizes), read after the model has trained",
 }
 
 
@@ -189,6 +191,11 @@ def compile_seconds() -> dict[str, float]:
 def unwrap_compiled(model: Any) -> Any:
     """The module a ``torch.compile``'d module wraps (itself if not compiled)."""
     return getattr(model, "_orig_mod", model)
+
+
+def ddp_bucket_count(ddp: torch.nn.parallel.DistributedDataParallel) -> int:
+    """How many buckets torch DDP's reducer has (its logging record's bucket sizes)."""
+    return len(ddp._get_ddp_logging_data()["bucket_sizes"].split(","))
 
 
 def ddp_bucket_bytes(ddp: torch.nn.parallel.DistributedDataParallel) -> int:

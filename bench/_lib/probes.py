@@ -85,7 +85,7 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
         for _ in range(3):  # compiles
             step()
         collected: list[tuple[bool, float]] = []
-        outcome = plan_check._outcome
+        outcome = plan_check.outcome
 
         def timed_outcome(exchange, group_name):
             done, t0 = exchange.done(), time.perf_counter()
@@ -98,7 +98,7 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
         out |= {"exchange done at the guard, %": [], "guard blocked, median us": []}
         for _ in range(rounds):
             for mode in modes:
-                patch = (unittest.mock.patch.object(plan_check, "_outcome", timed_outcome)
+                patch = (unittest.mock.patch.object(plan_check, "outcome", timed_outcome)
                          if mode == "with check"
                          else unittest.mock.patch.object(host_group, "of", lambda group: None))
                 collected.clear()

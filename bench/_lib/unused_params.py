@@ -103,6 +103,5 @@ def count_step(rank: int, world_size: int, name: str, mode: str, cap_mb: float,
         "parameters": params,
         "unused_here": sum(p.grad is None for p in model.parameters()) if mode == "eager" else None,
         "absent_last_step": counters["ddp_fusion"]["unused: absent gradients"] - absent,
-        "eager_buckets": (len(model._get_ddp_logging_data()["bucket_sizes"].split(","))
-                          if mode == "eager" else None),
+        "eager_buckets": _torch.ddp_bucket_count(model) if mode == "eager" else None,
     }
