@@ -211,7 +211,7 @@ def _used_start(after: torch.Tensor, group_name: str, model_id: int, present: Se
     else:
         host.ticket()
         found.pending = host.max_async(bits)
-    return torch.zeros(())
+    return torch.zeros((), device="cpu")  # host-side: a token the graph only orders by
 
 
 @_used_start.register_fake

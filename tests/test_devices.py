@@ -13,6 +13,7 @@ tests/test_gpu_ready_gloo.py.
 """
 
 import ast
+import datetime
 import math
 import pathlib
 import queue
@@ -68,7 +69,7 @@ class _Work:
     def __init__(self, done=lambda: None):
         self._done = done
 
-    def wait(self):
+    def wait(self, timeout=None):
         self._done()
 
 
@@ -106,8 +107,9 @@ def _simulated_max(size: int, values: list[list[int]]) -> tuple[list[list[int]],
 
     def run(rank):
         host = object.__new__(host_group.HostGroup)
-        host.rank, host.size, host._pg = rank, size, transport.rank(rank)
-        results[rank] = host._max(np.array(values[rank], dtype=np.int64))
+        host.rank, host.size = rank, size
+        results[rank] = host._max(transport.rank(rank), np.array(values[rank], dtype=np.int64),
+                                  datetime.timedelta(seconds=10))
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
     for t in threads:
