@@ -332,12 +332,13 @@ def _check_not_hooked(params: list[tuple[str, torch.Tensor]], who: str) -> None:
 
 
 def _release(handles: list[Any], params: list[torch.Tensor], model_id: int,
-             layout: unused.Layout | None, orders: dict) -> None:
+             layout: unused.Layout | None, orders: dict, data: _HookData) -> None:
     """Undo a model's hooks once it is garbage (weakref.finalize)."""
     ref = _syncs.get(model_id)
     if ref is not None and ref() is None:  # (the id may already be a new model's)
         del _syncs[model_id]
-        _hook_data.pop(model_id, None)
+    if _hook_data.get(model_id) is data:  # (it holds the reducer, and so the group)
+        del _hook_data[model_id]
     if layout is not None:
         unused.unregister(model_id, layout)
     forget_element_orders(model_id, orders)
@@ -481,15 +482,15 @@ class GradSync:
         unsynced = self.layout.unsynced if self.layout is not None else None
         self.reducer.unsynced = unsynced
         orders = register_element_orders(self.model_id, params)
-        _hook_data[self.model_id] = _HookData(self.state, self.reducer, group.group_name, limits,
-                                              tuple(self.names), unsynced)
+        data = _hook_data[self.model_id] = _HookData(self.state, self.reducer, group.group_name, limits,
+                                                     tuple(self.names), unsynced)
         self.handles = [p.register_post_accumulate_grad_hook(_make_hook(self.model_id, i))
                         for i, (_, p) in enumerate(params)]
         me = weakref.ref(model)
         for _, p in params:
             _models[p] = me
         weakref.finalize(model, _release, self.handles, [p for _, p in params], self.model_id, self.layout,
-                         orders)
+                         orders, data)
         # The join prelude runs eagerly, outside a compiled forward (made here, not at
         # import: torch.compiler.disable imports Dynamo).
         self._join_prelude = torch.compiler.disable(join.prelude)
