@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from . import _torch, dump, effects, grad_sync, stock, unused
+from . import _torch, dump, effects, grad_sync, plan, stock, unused
 from . import config as config_module
 from .config import config
 from .log import log
@@ -77,6 +77,9 @@ class FuseDDPAllReduces:
         layouts = unused.cache_key()  # find_unused_parameters models' layouts, which the pass reads
         if layouts is not None:
             settings["find_unused_parameters layouts"] = layouts
+        orders = plan.element_orders_key()  # parameters not contiguous (plan.py, "Element order")
+        if orders is not None:
+            settings["element orders"] = orders
         return _torch.inductor.hash_files(_SOURCES, json.dumps(settings, sort_keys=True))
 
 

@@ -159,6 +159,15 @@ def forget_element_orders(model_id: int, orders: dict) -> None:
         del _element_orders[model_id]
 
 
+def element_orders_key() -> str | None:
+    """The registered orders that are not a parameter's logical order, for the FX graph
+    cache key (the pass lays gradients out by them); None where every registered
+    parameter is contiguous, so that those graphs' keys do not change."""
+    laid_out = sorted(f"{m}:{name}:{list(order)}" for m, orders in _element_orders.items()
+                      for name, order in orders.items() if list(order) != sorted(order))
+    return ",".join(laid_out) or None
+
+
 def element_order(model_id: int, name: str) -> tuple[int, ...] | None:
     """The registered order of ``name``'s dimensions in its bucket; None where no model
     registered it (``ddp_fusion.all_reduce_gradient`` called directly)."""

@@ -56,9 +56,11 @@ def test_client_trains_fused_as_with_eager_ddp(script, tmp_path):
 @pytest.mark.parametrize(
     "hook",
     [
-        "powersgd",
+        # the hooks themselves are tested on ddp_fusion's buckets in test_comm_hooks_gloo;
+        # CI runs Lightning's way of setting one, the others with -m slow (~40 s each)
+        pytest.param("powersgd", marks=pytest.mark.slow),
         "fp16",
-        "post_local_sgd",
+        pytest.param("post_local_sgd", marks=pytest.mark.slow),
     ],
 )
 def test_lightning_trainer_comm_hooks_train_fused_as_without_ddp_fusion(hook, tmp_path):

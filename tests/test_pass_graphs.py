@@ -791,3 +791,34 @@ def test_the_pass_rewrites_the_graph_output_a_constant_number_of_times(kept, mon
         assert ("all_reduce_in_place" in gm.code) == kept
         counts[n] = sum(rewrites)
     assert 1 <= counts[32] == counts[8], counts
+
+
+@pytest.mark.usefixtures("fake_pg")
+@pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+def test_a_gradient_sits_in_its_bucket_in_its_parameters_layout(algorithm):
+    """Issue 37: the element order of a gradient in its bucket is its parameter's layout
+    (registered by the model), not the layout of the tensor the gradient came in: a
+    contiguous gradient of a transposed parameter is copied in transposed, and the
+    reduced gradient comes back with the parameter's strides. The registration is part
+    of the FX graph cache key (the graph is the same either way)."""
+    from ddp_fusion import _install, plan
+
+    model_id, param = 4242, torch.empty(3, 5).t()  # (5, 3), strides (1, 5)
+
+    def fn(x):
+        return (ALL_REDUCE_GRADIENT(x * 2, "0", "avg", [1 << 20], "w", None, 0, model_id),)
+
+    before = _install.THE_PASS.uuid()
+    orders = plan.register_element_orders(model_id, [("w", param)])
+    try:
+        assert _install.THE_PASS.uuid() != before
+        x = torch.randn(5, 3)
+        gm = trace(fn, x)
+        fuse(gm, algorithm=algorithm)
+        FileCheck().check("permute").check("all_reduce_bucket").run(gm.code)
+        (got,) = gm(x)
+        assert got.stride() == param.stride()
+        torch.testing.assert_close(got, x)  # (x * 2) / 2: a fake group of 2 sums nothing
+    finally:
+        plan.forget_element_orders(model_id, orders)
+    assert _install.THE_PASS.uuid() == before
