@@ -137,12 +137,30 @@ def split_by_rule(
 _element_orders: dict[int, dict[str, tuple[int, ...]]] = {}
 
 
+def laid_out(t: torch.Tensor, order: Sequence[int]) -> bool:
+    """Whether ``t.permute(order)`` is contiguous: ``t``'s memory holds its elements in
+    that order of its dimensions. From sizes and strides alone (no tensor op: the pass
+    asks it of fake tensors, per gradient)."""
+    if t.numel() == 0:
+        return True  # (as is_contiguous says)
+    step = 1
+    for d in reversed(order):
+        size = t.shape[d]
+        if size != 1 and t.stride(d) != step:
+            return False
+        step *= size
+    return True
+
+
 def dims_in_memory(t: torch.Tensor) -> tuple[int, ...]:
     """``t``'s dimensions from outermost to innermost in memory if ``t`` is dense
     (``t.permute(order)`` is contiguous: channels last, a transposed weight, ...);
     its logical order otherwise."""
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
-    return order if not t.is_contiguous() and t.permute(order).is_contiguous() else tuple(range(t.dim()))
+    logical = tuple(range(t.dim()))
+    if laid_out(t, logical):
+        return logical
+    order = tuple(sorted(logical, key=lambda d: (-t.stride(d), d)))
+    return order if laid_out(t, order) else logical
 
 
 def register_element_orders(model_id: int, params: Iterable[tuple[str, torch.Tensor]]) -> dict:

@@ -47,6 +47,7 @@ import torch
 import torch.fx
 
 from ..ops import ALL_REDUCE_BUCKET, WAIT_BUCKET
+from ..plan import laid_out
 from ._graph import NodeMaker
 from .bucketing import Bucket
 from .collectives import GradAllReduce, is_identity as _is_identity
@@ -108,10 +109,11 @@ def _flatten(make: NodeMaker, g: GradAllReduce) -> torch.fx.Node:
     val, order = g.grad.meta["val"], g.dims()
     if val.dim() == 1:
         return g.grad
-    if _is_identity(order) and val.is_contiguous():
+    in_order = laid_out(val, order)
+    if _is_identity(order) and in_order:
         return make(aten.view.default, (g.grad, [-1]))
     permuted = g.grad if _is_identity(order) else make(aten.permute.default, (g.grad, list(order)))
-    if val.permute(order).is_contiguous():
+    if in_order:
         return make(aten.view.default, (permuted, [-1]))
     return make(aten.reshape.default, (permuted, [-1]))  # a copy, in the bucket's order
 

@@ -45,6 +45,7 @@ import torch
 import torch.fx
 
 from ..ops import ALL_REDUCE_IN_PLACE, WAIT_IN_PLACE, is_dense
+from ..plan import laid_out
 from ._graph import NodeMaker
 from .bucketing import Bucket
 from .collectives import GradAllReduce
@@ -78,7 +79,7 @@ def kept_grads(bucket: Bucket, order: dict[torch.fx.Node, int],
                 and want.shape == got.shape and want.dtype == got.dtype and want.device == got.device
                 and is_dense(want)):
             return None, f"the .grad of {g.label} is not dense, or not of its gradient's shape and dtype"
-        if not want.permute(g.dims()).is_contiguous():
+        if not laid_out(want, g.dims()):
             # reduced in place, its memory would meet other ranks' in another order
             return None, (f"the .grad of {g.label} (strides {list(want.stride())}) is not laid out as "
                           "its parameter (its bucket's element order, the same on every rank)")
