@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import _torch, effects, scaling
 from .log import log
-from .plan import ddp_bucket_limits
+from .plan import ddp_bucket_limits, dims_in_memory, laid_out
 
 REDUCE_OPS = ("avg", "sum")
 """``avg``: divide by the group size, then sum (DDP's mean). ``sum``: sum only."""
@@ -224,12 +224,9 @@ def _memory(t: torch.Tensor) -> torch.Tensor:
 
 def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` fills one run of memory, in some order of its dimensions (contiguous,
-    channels-last, a transposed parameter's gradient, ...): what the in-place op takes,
-    and so what the pass checks before it makes one (passes/in_place.py)."""
-    if t.is_contiguous():
-        return True
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
-    return t.permute(order).is_contiguous()
+    channels-last, a transposed parameter's gradient, ...): what the in-place op takes.
+    From sizes and strides (plan.py), no tensor op: it runs per ``.grad`` per step."""
+    return t.is_contiguous() or laid_out(t, dims_in_memory(t))
 
 
 def _one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:

@@ -44,7 +44,7 @@ import operator
 import torch
 import torch.fx
 
-from ..ops import ALL_REDUCE_IN_PLACE, WAIT_IN_PLACE, is_dense
+from ..ops import ALL_REDUCE_IN_PLACE, WAIT_IN_PLACE
 from ..plan import laid_out
 from ._graph import NodeMaker
 from .bucketing import Bucket
@@ -76,11 +76,11 @@ def kept_grads(bucket: Bucket, order: dict[torch.fx.Node, int],
             return None, f"the graph reads the old .grad of {g.label} after its new gradient is made"
         want, got = dst.meta.get("val"), g.grad.meta.get("val")
         if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
-                and want.shape == got.shape and want.dtype == got.dtype and want.device == got.device
-                and is_dense(want)):
-            return None, f"the .grad of {g.label} is not dense, or not of its gradient's shape and dtype"
+                and want.shape == got.shape and want.dtype == got.dtype and want.device == got.device):
+            return None, f"the .grad of {g.label} is not of its gradient's shape, dtype and device"
         if not laid_out(want, g.dims()):
-            # reduced in place, its memory would meet other ranks' in another order
+            # not one run of memory, or (reduced in place) its memory would meet other
+            # ranks' in another order
             return None, (f"the .grad of {g.label} (strides {list(want.stride())}) is not laid out as "
                           "its parameter (its bucket's element order, the same on every rank)")
     return copies, None
