@@ -25,12 +25,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profiled", type=int, default=10)
     parser.add_argument("--timed", type=int, default=30)
+    parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
+                        help="each step's optimizer.zero_grad: set_to_none=True (none) or False (zeros)")
     args = parser.parse_args(argv)
     bad = [m for m in args.modes.split(",") if m not in all_modes()]
     if bad:
         parser.error(f"unknown modes {bad}")
     for mode in args.modes.split(","):
-        job = Job(args.model, mode, None)
+        job = Job(args.model, mode, None, set_to_none=args.zero_grad == "none")
         try:
             job.start()
             job.run(step.warmup, args.warmup)

@@ -121,8 +121,6 @@ def _reduce_one(grad: torch.Tensor, group_name: str, reduce_op: str, name: str,
     return torch.empty_like(grad).copy_(out)
 
 
-@torch.library.custom_op("ddp_fusion::all_reduce_in_place", mutates_args=("grads",),
-                         tags=CUDAGRAPH_UNSAFE)
 def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: str) -> None:
     """Issue the sum of one bucket's kept ``.grad`` tensors over the group, in place, and
     return without waiting (``wait_in_place`` waits): what the pass makes of a bucket
@@ -147,10 +145,9 @@ def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: 
         counts["in place: coalesced"] += 1
         c10d.all_reduce_coalesced_([_memory(g) for g in grads], "sum", group_name)
         return
-    key = tuple(map(id, grads))
-    _gathered.pop(key, None)  # (left by a step that failed before its wait)
     run = _one_run(grads)
-    if run is None:
+    gathered = run is None
+    if gathered:
         counts["in place: gathered"] += 1
         if not _told_gathered:
             _told_gathered.append(True)
@@ -160,27 +157,24 @@ def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: 
                 "all-reduce and copied back"
             )
         run = torch.cat([_memory(g) for g in grads])
-        _gathered[key] = run
     else:
         counts["in place: one run"] += 1
+    # (replaces an entry left by a step that failed before its wait)
+    _in_flight[id(grads[0])] = (run, gathered)
     c10d.all_reduce_(run, "sum", group_name)
 
 
-@_all_reduce_in_place.register_fake
-def _(grads, group_name, algorithm):
-    return None
-
-
-@torch.library.custom_op("ddp_fusion::wait_in_place", mutates_args=("grads",), tags=CUDAGRAPH_UNSAFE)
 def _wait_in_place(grads: list[torch.Tensor]) -> None:
     """Wait for ``all_reduce_in_place`` of the same tensors (and copy a gathered bucket
-    back). The functional collectives keep a collective's work by storage."""
-    gathered = _gathered.pop(tuple(map(id, grads)), None)
+    back): one wait for a ``concat`` bucket, one per storage for ``coalesced`` (the
+    functional collectives keep a collective's work by storage)."""
     c10d = _torch.distributed.c10d_functional
-    if gathered is not None:
-        c10d.wait_tensor(gathered)
-        for g, part in zip(grads, gathered.split([g.numel() for g in grads])):
-            _memory(g).copy_(part)
+    run, gathered = _in_flight.pop(id(grads[0]), (None, False))
+    if run is not None:
+        c10d.wait_tensor(run)
+        if gathered:
+            for g, part in zip(grads, run.split([g.numel() for g in grads])):
+                _memory(g).copy_(part)
         return
     seen = set()
     for g in grads:
@@ -190,21 +184,17 @@ def _wait_in_place(grads: list[torch.Tensor]) -> None:
             c10d.wait_tensor(g)
 
 
-@_wait_in_place.register_fake
-def _(grads):
-    return None
-
-
-# the bucket's .grad tensors (ids: the same objects reach the op and its wait) -> the
-# buffer they were gathered into, until the wait
-_gathered: dict[tuple[int, ...], torch.Tensor] = {}
+# a concat bucket in flight, by its first .grad (the same object reaches the op and its
+# wait; a .grad is in one bucket) -> (the memory reduced: the .grads' own run, or the
+# buffer they were gathered into; whether gathered), until the wait
+_in_flight: dict[int, tuple[torch.Tensor, bool]] = {}
 _told_gathered: list[bool] = []
 
 
 def pending() -> int:
     """Buckets of kept ``.grad``s gathered into a buffer whose wait has not run: none
     between steps (see ``ddp_fusion.pending``)."""
-    return len(_gathered)
+    return sum(gathered for _, gathered in _in_flight.values())
 
 
 def _memory(t: torch.Tensor) -> torch.Tensor:
@@ -231,13 +221,14 @@ def is_dense(t: torch.Tensor) -> bool:
 
 def _one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:
     """The 1-D view of the memory that ``grads`` fill one after another, if they do
-    (dense, same dtype and device, each starting where the one before ends, inside
-    the first one's storage); else None."""
+    (dense, each starting where the one before ends, inside the first one's storage);
+    else None. (A bucket's ``.grad``s have its dtype and device: the compiled graph's
+    guards hold them to it.)"""
     first = grads[0]
     end = first.data_ptr()
     numel = 0
     for g in grads:
-        if g.data_ptr() != end or g.dtype != first.dtype or g.device != first.device or not is_dense(g):
+        if g.data_ptr() != end or not is_dense(g):
             return None
         end += g.nbytes
         numel += g.numel()
@@ -256,11 +247,15 @@ def _one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:
 # graph never captures a bucket's collective or its wait (where NCCL's watchdog and the
 # flight recorder could not see it, and its buffer would live in the graph's pool).
 # Defined with torch.library directly, not custom_op: a mutating custom_op costs about
-# 40 us of Python per call, these about 5 us.
+# 40 us of Python per call, and bumps the version of each tensor it mutates in Python
+# (per .grad of a bucket, for the in-place ops); these cost about 5 us.
 _lib = torch.library.Library("ddp_fusion", "FRAGMENT")
 _lib.define("all_reduce_bucket(Tensor(a!) flat, str group_name) -> ()", tags=CUDAGRAPH_UNSAFE)
 _lib.define("all_reduce_bucket_coalesced(Tensor(a!)[] tensors, str group_name) -> ()", tags=CUDAGRAPH_UNSAFE)
 _lib.define("wait_bucket(Tensor(a!)[] tensors) -> ()", tags=CUDAGRAPH_UNSAFE)
+_lib.define("all_reduce_in_place(Tensor(a!)[] grads, str group_name, str algorithm) -> ()",
+            tags=CUDAGRAPH_UNSAFE)
+_lib.define("wait_in_place(Tensor(a!)[] grads) -> ()", tags=CUDAGRAPH_UNSAFE)
 
 
 def _all_reduce_bucket(flat: torch.Tensor, group_name: str) -> None:
@@ -288,7 +283,9 @@ def _wait_bucket(tensors: list[torch.Tensor]) -> None:
 
 for _name, _impl in (("all_reduce_bucket", _all_reduce_bucket),
                      ("all_reduce_bucket_coalesced", _all_reduce_bucket_coalesced),
-                     ("wait_bucket", _wait_bucket)):
+                     ("wait_bucket", _wait_bucket),
+                     ("all_reduce_in_place", _all_reduce_in_place),
+                     ("wait_in_place", _wait_in_place)):
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"ddp_fusion::{_name}", lambda *args: None, lib=_lib)
 

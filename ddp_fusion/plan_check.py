@@ -57,10 +57,10 @@ class PlanMismatchError(RuntimeError):
 
 
 _plan_hashes: dict[str, int] = {}
-_reported: set[tuple[str, str]] = set()
-_published: set[str] = set()
+_reported: set[tuple[str, int]] = set()
+_published: set[int] = set()
 # (group name, plan) -> the plan check in flight: (host group, its ticket, the exchange)
-_pending: dict[tuple[str, str], tuple[host_group.HostGroup, int, concurrent.futures.Future]] = {}
+_pending: dict[tuple[str, int], tuple[host_group.HostGroup, int, concurrent.futures.Future]] = {}
 
 
 def pending() -> int:
@@ -80,51 +80,51 @@ def _group(group_name: str) -> dist.ProcessGroup:
 
 
 @torch.library.custom_op("ddp_fusion::plan_check_start", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
-def plan_check_start(group_name: str, plan: str, device: torch.device) -> torch.Tensor:
+def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.device) -> torch.Tensor:
     """Start this step's cross-rank check of the group's bucket ``plan``: the max of
-    (h, -h) of the plan's hash h over the group's host group, in the background.
-    Returns a token for :func:`plan_guard`, which finishes the check."""
+    (h, -h) of the plan's hash h (``plan_hash``, :func:`plan_hash` of it, computed by
+    the pass) over the group's host group, in the background. Returns a token for
+    :func:`plan_guard`, which finishes the check. State is keyed by the hash: a step
+    never hashes the plan's text (O(parameters) bytes)."""
     group = _group(group_name)
     # A backward that completed waited for all of its hooks: one still in flight is
     # left by a backward that failed halfway, and must not hold this one up.
     comm_hooks.drop_in_flight()
-    hook_groups(plan, group)
+    hook_groups(plan, group, plan_hash)
     host = host_group.of(group)
     if host is not None:
-        h = _plan_hash(plan)
-        _publish(plan)
-        _pending[group_name, plan] = (host, host.ticket(), host.max_async([h, -h]))
+        _publish(plan, plan_hash)
+        _pending[group_name, plan_hash] = (host, host.ticket(), host.max_async([plan_hash, -plan_hash]))
     return torch.zeros((), dtype=torch.float32, device=device)
 
 
 @plan_check_start.register_fake
-def _(group_name, plan, device):
+def _(group_name, plan, plan_hash, device):
     return torch.empty((), dtype=torch.float32, device=device)
 
 
 @torch.library.custom_op("ddp_fusion::plan_guard", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def plan_guard(
-    token: torch.Tensor, group_name: str, plan: str, reduce_op: str, device: torch.device
+    token: torch.Tensor, group_name: str, plan: str, plan_hash: int, reduce_op: str, device: torch.device
 ) -> torch.Tensor:
     """The bucket divisor for ``reduce_op`` as a 0-d float32 tensor on ``device``, after
     the check :func:`plan_check_start` began shows that every rank of the group runs the
     same bucket ``plan`` in this step (else :class:`PlanMismatchError` on every rank)."""
     group = _group(group_name)
-    if (group_name, plan) not in _reported:
-        _reported.add((group_name, plan))
+    if (group_name, plan_hash) not in _reported:
+        _reported.add((group_name, plan_hash))
         _report_plan(group_name, plan)
-    pending = _pending.pop((group_name, plan), None)  # None: checked by this group's other guard
+    pending = _pending.pop((group_name, plan_hash), None)  # None: checked by this group's other guard
     if pending is not None:
         host, ticket, exchange = pending
         top, neg_bottom = outcome(exchange, group_name)
-        h = _plan_hash(plan)
-        if not (top == h and -neg_bottom == h):
-            raise PlanMismatchError(describe_mismatch(host, ticket, group_name, h, plan))
+        if not (top == plan_hash and -neg_bottom == plan_hash):
+            raise PlanMismatchError(describe_mismatch(host, ticket, group_name, plan_hash, plan))
     return _divisor_tensor(group, reduce_op, device)
 
 
 @plan_guard.register_fake
-def _(token, group_name, plan, reduce_op, device):
+def _(token, group_name, plan, plan_hash, reduce_op, device):
     return torch.empty((), dtype=torch.float32, device=device)
 
 
@@ -181,7 +181,7 @@ PLAN_DIVISOR = torch.ops.ddp_fusion.plan_divisor.default
 
 def plan_id(plan: str) -> str:
     """A short name of a bucket plan (its hash, as hex)."""
-    return f"{_plan_hash(plan) & 0xFFFFFFFFFFFFFFFF:016x}"
+    return f"{plan_hash(plan) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
 @functools.lru_cache(maxsize=64)
@@ -190,29 +190,31 @@ def parse(plan: str) -> BucketPlan:
     return BucketPlan.from_json(plan)
 
 
-# plan -> the names of its hooked buckets' groups
-_hook_groups: dict[str, list[str]] = {}
+# plan hash -> the names of its hooked buckets' groups
+_hook_groups: dict[int, list[str]] = {}
 
 
-def hook_groups(plan: str, group: dist.ProcessGroup) -> None:
+def hook_groups(plan: str, group: dist.ProcessGroup, h: int | None = None) -> None:
     """Make sure the groups of the plan's hooked buckets (comm_hooks.py) are registered:
     a graph served from Inductor's cache was not compiled in this process, and
     ``destroy_process_group`` unregisters every group. The plan is read once."""
-    names = _hook_groups.get(plan)
+    h = plan_hash(plan) if h is None else h
+    names = _hook_groups.get(h)
     if names is not None and comm_hooks.registered(names):
         return
     per_model: dict[int, list[tuple[str, ...]]] = {}
     for b in parse(plan).buckets:
         if b.hook is not None:
             per_model.setdefault(b.hook[0], []).append(b.grads)
-    _hook_groups[plan] = [
+    _hook_groups[h] = [
         name
         for model_id, buckets in per_model.items()
         for name in comm_hooks.ensure_groups(model_id, plan_id(plan), buckets, group)
     ]
 
 
-def _plan_hash(plan: str) -> int:
+def plan_hash(plan: str) -> int:
+    """The plan's hash, as the plan check exchanges it (never :data:`NEUTRAL`)."""
     h = _plan_hashes.get(plan)
     if h is None:
         digest = hashlib.blake2b(plan.encode(), digest_size=8).digest()
@@ -222,16 +224,16 @@ def _plan_hash(plan: str) -> int:
     return h
 
 
-def _publish(plan: str) -> None:
+def _publish(plan: str, h: int) -> None:
     """Put a plan in the store under its hash, the first time this process runs it:
     one rank of those that run it (the first to claim it) writes it, the others add one
     to a counter, so the store gets each plan once, not once per rank. A joined rank,
     and a mismatch report, read it from there."""
-    if plan in _published:
+    if h in _published:
         return
-    _published.add(plan)
+    _published.add(h)
     store = _torch.distributed.default_store()
-    key = f"ddp_fusion/plan/{_plan_hash(plan)}"
+    key = f"ddp_fusion/plan/{h}"
     if store.add(f"{key}/claim", 1) == 1:
         store.set(key, plan)
 

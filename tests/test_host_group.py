@@ -30,8 +30,8 @@ def rank1_alone(monkeypatch):
 def test_plan_mismatch_keeps_its_header_when_rank_0_is_gone(rank1_alone):
     bucket = PlannedBucket("0", torch.float32, "cpu", "avg", "concat", ("w2", "w1"), (15, 5))
     plan = BucketPlan("concat", (bucket,)).to_json()
-    plan_check._publish(plan)
-    text = plan_check.describe_mismatch(rank1_alone, 1, "0", plan_check._plan_hash(plan))
+    plan_check._publish(plan, plan_check.plan_hash(plan))
+    text = plan_check.describe_mismatch(rank1_alone, 1, "0", plan_check.plan_hash(plan))
     first, *rest = text.splitlines()
     assert first.startswith("ddp_fusion: ranks of process group '0' compiled different gradient bucket plans")
     assert "  group rank 1: 1 buckets, bytes [80]" in rest, text

@@ -40,6 +40,7 @@ def plan_check_calls(rank: int, world_size: int, calls: int, rounds: int) -> dic
     name = group.group_name
     bucket = PlannedBucket(name, torch.float32, "cpu", "avg", "concat", ("w",), (1024,))
     text = BucketPlan("concat", (bucket,)).to_json()
+    h = plan_check.plan_hash(text)
     cpu = torch.device("cpu")
     one = torch.zeros(1, dtype=torch.int64, device="cpu")
     everyone = torch.zeros(world_size, dtype=torch.int64, device="cpu")
@@ -48,7 +49,7 @@ def plan_check_calls(rank: int, world_size: int, calls: int, rounds: int) -> dic
         "all_gather of 1 int64 per rank (before)": lambda: dist.all_gather_into_tensor(everyone, one),
         "host group max of 2 int64 (the exchange now)": lambda: host.max([rank, -rank]),
         "plan_check_start + plan_guard, back to back": lambda: plan_check.PLAN_GUARD(
-            plan_check.PLAN_CHECK_START(name, text, cpu), name, text, "avg", cpu),
+            plan_check.PLAN_CHECK_START(name, text, h, cpu), name, text, h, "avg", cpu),
     }
     for fn in modes.values():  # warm up
         _time(fn, 50)

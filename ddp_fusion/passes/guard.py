@@ -1,10 +1,10 @@
 """The per-step cross-rank plan check, in two parts (see ddp_fusion/plan_check.py)::
 
-    token   = ddp_fusion.plan_check_start('0', '<this group's bucket plan as JSON>', cpu)
+    token   = ddp_fusion.plan_check_start('0', '<this group's bucket plan as JSON>', h, cpu)
     divisor = ddp_fusion.plan_divisor('0', 'avg', cpu)          # does not wait
     ...                                                         # backward compute
     g1 / divisor, ..., g(n-1) / divisor                         # fused into their kernels
-    checked = ddp_fusion.plan_guard(token, '0', '<plan>', 'avg', cpu)   # waits
+    checked = ddp_fusion.plan_guard(token, '0', '<plan>', h, 'avg', cpu)   # waits
     gn / checked                                                # the bucket's last gradient
     flat = cat([...]); all_reduce(flat)                         # concat.py / coalesced.py
 
@@ -25,7 +25,7 @@ import torch
 import torch.fx
 
 from ..plan import BucketPlan
-from ..plan_check import PLAN_CHECK_START, PLAN_DIVISOR, PLAN_GUARD
+from ..plan_check import PLAN_CHECK_START, PLAN_DIVISOR, PLAN_GUARD, plan_hash
 from ._graph import NodeMaker
 
 
@@ -56,11 +56,12 @@ def insert_plan_guards(make: NodeMaker, keys: list[tuple[str, str, torch.device]
             if k in guards:
                 continue
             group, reduce_op, device = k
+            h = plan_hash(plans[group])  # (the ops key their state by it, never hash the text)
             if group not in starts:
-                starts[group] = make(PLAN_CHECK_START, (group, plans[group], device))
+                starts[group] = make(PLAN_CHECK_START, (group, plans[group], h, device))
             guards[k] = (
                 make(PLAN_DIVISOR, (group, reduce_op, device)),
-                make(PLAN_GUARD, (starts[group], group, plans[group], reduce_op, device)),
+                make(PLAN_GUARD, (starts[group], group, plans[group], h, reduce_op, device)),
             )
     return guards
 
