@@ -132,8 +132,9 @@ def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: 
     one ``all_reduce_coalesced`` of the tensors. For ``concat``, ``.grad``s that are one
     run of memory in bucket order (a bucket's ``.grad`` views, as the first step leaves
     them: its reduced buffer) are reduced right there; others are gathered into a buffer
-    first and copied back after the wait. The check reads metadata only (pointers,
-    strides), never a value."""
+    first, and after the wait either move into it (see :func:`_movable`: then they are
+    one run from the next step on) or get their part copied back. The checks read
+    metadata only (pointers, strides), never a value."""
     if _torch.distributed.resolve_process_group(group_name) is None:
         raise RuntimeError(
             f"ddp_fusion.all_reduce_in_place: process group {group_name!r} is not "
@@ -153,8 +154,9 @@ def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: 
             _told_gathered.append(True)
             log.info(
                 "ddp_fusion: a bucket's kept .grad tensors are not one run of memory (made "
-                "before the first backward, say): they are gathered into a buffer for their "
-                "all-reduce and copied back"
+                "before the first backward, or in a no_sync() step, say): they are gathered "
+                "into a buffer for their all-reduce, and then move into it where they own "
+                "their memory (else their parts are copied back, every step)"
             )
         run = torch.cat([_memory(g) for g in grads])
     else:
@@ -172,7 +174,15 @@ def _wait_in_place(grads: list[torch.Tensor]) -> None:
     run, gathered = _in_flight.pop(id(grads[0]), (None, False))
     if run is not None:
         c10d.wait_tensor(run)
-        if gathered:
+        if not gathered:
+            return
+        if _movable(grads, run):
+            _torch.dynamo.counters()["ddp_fusion"]["in place: moved into the bucket"] += 1
+            offset = run.storage_offset()
+            for g in grads:
+                g.set_(run.untyped_storage(), offset, g.size(), g.stride())
+                offset += g.numel()
+        else:
             for g, part in zip(grads, run.split([g.numel() for g in grads])):
                 _memory(g).copy_(part)
         return
@@ -182,6 +192,32 @@ def _wait_in_place(grads: list[torch.Tensor]) -> None:
         if key not in seen:
             seen.add(key)
             c10d.wait_tensor(g)
+
+
+def _movable(grads: list[torch.Tensor], run: torch.Tensor) -> bool:
+    """Whether a gathered bucket's ``.grad``s may move into ``run``, the buffer they were
+    gathered into (in bucket order, each in its own memory order), instead of getting
+    their parts copied back: each ``.grad`` then keeps its tensor object, shape and
+    strides, its memory becomes its part of ``run``, and from the next step on the bucket
+    is one run, reduced where it lies (what torch DDP's ``gradient_as_bucket_view``
+    does to a ``.grad`` once). Only ``.grad``s that own all of their memory move (made
+    by autograd, in a ``no_sync()`` step, say, or by the user as a tensor of their own):
+    a view into a buffer of the user's (a flat-buffer optimizer's) must keep receiving
+    its gradient there. On a GPU, only where every ``.grad`` keeps 16-byte alignment,
+    which Inductor may have assumed for its inputs (else it would copy them every
+    step)."""
+    for g in grads:
+        if g.storage_offset() != 0 or g.untyped_storage().nbytes() != g.nbytes:
+            return False
+    if run.device.type == "cpu":
+        return True
+    address, size = run.data_ptr(), run.element_size()
+    offset = 0
+    for g in grads:
+        if (address + offset * size) % 16:
+            return False
+        offset += g.numel()
+    return True
 
 
 # a concat bucket in flight, by its first .grad (the same object reaches the op and its

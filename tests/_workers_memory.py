@@ -101,6 +101,54 @@ def _train_kept_grads(model, batches, lr=0.05, keep_after=2):
     return [p.detach().clone() for p in params], same
 
 
+def _train_no_sync(ddp, model, batches, lr=0.05, micro=3):
+    """Gradient accumulation: per step, ``micro - 1`` micro-batches under
+    ``ddp.no_sync()`` and one synced (``model``: ``ddp`` or its compiled self), then SGD
+    by hand from the ``.grad``s kept since the first step, which ``zero_()`` clears
+    (``.grad``s start as None: the first no-sync backward makes them)."""
+    params = list(ddp.parameters())
+    kept = None
+    for i in range(0, len(batches), micro):
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        with ddp.no_sync():
+            for x in batches[i:i + micro - 1]:
+                model(x).square().mean().backward()
+        model(batches[i + micro - 1]).square().mean().backward()
+        kept = kept or [p.grad for p in params]
+        with torch.no_grad():
+            for p, g in zip(params, kept):
+                p.sub_(lr * g)
+    same = all(p.grad is g for p, g in zip(params, kept))
+    return [p.detach().clone() for p in params], same
+
+
+def kept_grads_no_sync(rank, world_size, cap=0.03, steps=3, micro=3):
+    """Issue 36 item 7: ``.grad``s first made by a ``no_sync()`` backward (one storage
+    each), kept, ``steps`` accumulation steps of ``micro`` micro-batches: parameters
+    against eager torch DDP, whether ``.grad`` stayed the same object, how many
+    storages the compiled ``.grad``s end in, and how each bucket was reduced in place."""
+    from torch._dynamo.utils import counters
+
+    base, batches = _model_and_batches(rank, steps * micro)
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
+    want, _ = _train_no_sync(ref, ref, batches)
+    torch._dynamo.reset()
+    counters["ddp_fusion"].clear()
+    with ddp_fusion.config.patch(enabled=True):
+        ddp = ddp_fusion.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
+        got, same = _train_no_sync(ddp, torch.compile(ddp), batches)
+    return {
+        "compiled": _max_diff(got, want), "compiled_same": same,
+        "moved": _max_diff(want, [p.detach() for p in base.parameters()]),
+        "params": [p.tolist() for p in got],
+        "storages": len(set(_storages(ddp))),
+        "in_place": {k.removeprefix("in place: "): v for k, v in counters["ddp_fusion"].items()
+                     if k.startswith("in place: ")},
+    }
+
+
 def kept_grads(rank, world_size, cap=0.03, steps=6):
     """The held-out probe of issue 32 on every path: parameters after ``steps`` steps
     taken from the ``.grad`` tensors kept after step 2, against eager torch DDP, for
@@ -108,8 +156,9 @@ def kept_grads(rank, world_size, cap=0.03, steps=6):
     stayed the same object, how many storages the compiled ``.grad``s live in, and how
     the compiled steps reduced them in place (one run of memory, or coalesced). The key
     ``"made"``: compiled, with ``.grad``s the user made before the first backward (one
-    storage each: gathered for their bucket's all-reduce, copied back); ``"mixed"``: so
-    on rank 1 only (the ranks' layouts differ, their collectives must not)."""
+    storage each: gathered for their bucket's all-reduce the first time, then moved
+    into it); ``"mixed"``: so on rank 1 only (the ranks' layouts differ, their
+    collectives must not)."""
     from torch._dynamo.utils import counters
 
     base, batches = _model_and_batches(rank, steps)

@@ -735,6 +735,50 @@ def test_in_place_buckets_in_flight_keep_their_own_gathered_buffers():
 
 
 @pytest.mark.usefixtures("fake_pg")
+def test_gathered_grads_move_into_their_bucket_only_where_they_own_their_memory():
+    """Issue 36 item 7. ``.grad``s of their own (autograd's, a ``no_sync()`` step's) move
+    into the buffer they were gathered into: the same objects, one run from then on.
+    Views into a buffer of the user's (a flat-buffer optimizer's, here in another order
+    than the bucket's) stay there and get the values copied back."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    in_place, wait = torch.ops.ddp_fusion.all_reduce_in_place, torch.ops.ddp_fusion.wait_in_place
+    own = [torch.arange(3.0), torch.arange(4.0).reshape(2, 2).t()]  # (the second: strides (1, 2))
+    objects = list(own)
+    in_place(own, "0", "concat")
+    wait(own)
+    assert [g is o for g, o in zip(own, objects)] == [True, True]
+    assert own[0].untyped_storage().data_ptr() == own[1].untyped_storage().data_ptr()
+    assert own[1].stride() == (1, 2) and own[1].tolist() == [[0.0, 2.0], [1.0, 3.0]]
+    assert own[0].tolist() == [0.0, 1.0, 2.0]
+    in_place(own, "0", "concat")  # one run now
+    wait(own)
+
+    flat = torch.arange(7.0)
+    views = [flat[4:], flat[:4]]  # the bucket's order is not the buffer's
+    in_place(views, "0", "concat")
+    wait(views)
+    assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in views)
+    assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    counts = counters["ddp_fusion"]
+    assert (counts["in place: gathered"], counts["in place: moved into the bucket"], counts["in place: one run"]) == (2, 1, 1)
+
+
+def test_off_the_cpu_grads_move_only_where_each_keeps_16_byte_alignment():
+    """Inductor may assume its GPU inputs 16-byte aligned (and copy any that is not, every
+    step): a bucket whose move would put a ``.grad`` at an unaligned address keeps its
+    copy back. (A meta buffer stands for a device's: its address is 0.)"""
+    from ddp_fusion import ops
+
+    def meta(n):
+        return torch.empty(n, device="meta")
+
+    assert not ops._movable([meta(3), meta(4)], meta(7))  # the second would start at byte 12
+    assert ops._movable([meta(4), meta(3)], meta(7))
+
+
+@pytest.mark.usefixtures("fake_pg")
 def test_pending_reports_a_gathered_bucket_until_its_wait():
     """``ddp_fusion.pending()``: the per-step state still held, empty between steps."""
     in_place, wait = torch.ops.ddp_fusion.all_reduce_in_place, torch.ops.ddp_fusion.wait_in_place
