@@ -2,7 +2,7 @@
 
 A bucket whose ``.grad``s exist before the backward is reduced by
 ``ddp_fusion::all_reduce_in_place`` and waited for by ``ddp_fusion::wait_in_place``
-(``ddp_fusion/passes/in_place.py``). Both are Python custom ops that take the bucket's
+(``ddp_fusion/passes/in_place.py``). Both are ops with Python kernels that take the bucket's
 ``.grad`` tensors; the first checks from pointers and strides that they are one run of
 memory. This times, for N ``.grad`` views of one buffer (1,000 fp32 elements each), on a
 fake process group of 2 ranks (no communication), the op and its wait, called as the

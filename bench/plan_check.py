@@ -14,8 +14,9 @@ Then, in the same run, the step time of a fused, compiled MLP (the demo's: 8 x
 Linear(512, 512), batch 64) with the check and with its exchange patched out
 (no host group), alternating per round on the same compiled model, so the check's share
 of a step shows; and, with the check, whether each step's exchange had finished by the
-time the guard collected it (the main thread running backward meanwhile) and how long
-the guard blocked on it. The rank functions are in bench/_lib/probes.py.
+time the guard collected it (the main thread running backward meanwhile; ``nan`` at 2
+ranks, whose exchange is two gloo messages that report completion only once waited for)
+and how long the guard blocked on it. The rank functions are in bench/_lib/probes.py.
 
     python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20] [--world-size 2]
 """

@@ -24,8 +24,11 @@ tensors, which the host reads directly (through numpy, never ``Tensor.item``):
 
 Every exchange runs on the group's own thread in the order it was asked for, which is
 the same on every rank, so a caller can start one and collect it later (the plan check
-starts at the beginning of backward and waits where the first bucket is issued). A
-peer that never comes fails the exchange after the model group's timeout.
+starts at the beginning of backward and waits where the first bucket is issued); but a
+max over two ranks is one message each way, which gloo's own threads carry without any
+Python in between (:class:`PairMax`), so it does not wait for this process's GIL while
+the main thread runs backward. A peer that never comes fails the exchange after the
+model group's timeout.
 
 The gloo group is made over the default store, under a prefix named after the model's
 group, and connects lazily, each rank only to the peers it exchanges with (``O(log N)``
@@ -117,12 +120,16 @@ class HostGroup:
         self._lock = threading.Lock()
         self._ended: str | None = None
         connect_s = min(CONNECT_TIMEOUT_S, self.timeout.total_seconds())
-        # The thread holds the only reference to the gloo group: when it stops, the
-        # group (its sockets, its threads) goes.
+        pg = self._make(connect_s)
+        # The thread holds the only lasting reference to the gloo group but one: a group
+        # of two ranks also keeps it here for its max exchanges (:meth:`max_async`) until
+        # it ends. When both are gone, the group (its sockets, its threads) goes.
+        self._pair_pg: Any = pg if self.size == 2 else None
         self._thread = threading.Thread(
-            target=_serve, args=(self._jobs, self._make(connect_s)),
+            target=_serve, args=(self._jobs, pg),
             name=f"ddp_fusion host group {self.group_name}", daemon=True,
         )
+        del pg
         self._thread.start()
         try:
             self._connect(connect_s)
@@ -202,6 +209,7 @@ class HostGroup:
         with self._lock:
             if self._ended is None:
                 self._ended = why
+                self._pair_pg = None
                 self._jobs.put(None)
         if wait_s > 0 and threading.current_thread() is not self._thread:
             self._thread.join(wait_s)
@@ -223,19 +231,30 @@ class HostGroup:
         """Run ``fn(gloo group)`` on the group's thread."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self._ended is not None:
-                raise HostGroupError(
-                    f"ddp_fusion: the host group of process group {self.group_name!r} has ended "
-                    f"({self._ended}); a model built on that group cannot run any more: build it "
-                    "again on the group that replaces it"
-                )
+            self._check_open()
             self._jobs.put((fn, future))
         return future
 
-    def max_async(self, values: Sequence[int]) -> concurrent.futures.Future:
-        """Start the element-wise max of ``values`` (int64) over the ranks; the future's
-        result is a list of ints."""
+    def _check_open(self) -> None:
+        if self._ended is not None:
+            raise HostGroupError(
+                f"ddp_fusion: the host group of process group {self.group_name!r} has ended "
+                f"({self._ended}); a model built on that group cannot run any more: build it "
+                "again on the group that replaces it"
+            )
+
+    def max_async(self, values: Sequence[int]) -> Exchange:
+        """Start the element-wise max of ``values`` (int64) over the ranks; its
+        ``.result()`` is a list of ints. Two ranks exchange one message
+        each way, posted here and carried by gloo's own threads (:class:`PairMax`): no
+        Python runs between them, so the exchange never waits for this process's GIL
+        (which the host group's thread would need between rounds while the main thread
+        runs backward). Larger groups run their rounds on the thread."""
         mine = np.array(values, dtype=np.int64)
+        if self.size == 2:
+            with self._lock:
+                self._check_open()
+                return PairMax(self._pair_pg, 1 - self.rank, mine, self.timeout)
         return self._submit(lambda pg: self._max(pg, mine, self.timeout))
 
     def max(self, values: Sequence[int]) -> list[int]:
@@ -317,6 +336,38 @@ class HostGroup:
                    else torch.empty(n, dtype=torch.uint8, device="cpu"))  # host-side on purpose
         pg.broadcast([payload], opts).wait()
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+
+
+#: The point-to-point tag of :class:`PairMax`'s messages; the thread's exchanges use 0.
+#: gloo matches a message by peer and tag, so the two streams never take each other's
+#: messages, whatever order they are posted in; each is in the same order on every rank.
+PAIR_TAG = 1
+
+
+class PairMax:
+    """The element-wise max of a few int64 over a group of two ranks: this rank's values
+    sent to the peer and the peer's received, both posted at once (gloo carries them on
+    its own threads), combined when :meth:`result` is asked for. (No ``done()``: gloo's
+    point-to-point works say they are complete only once waited for.)"""
+
+    def __init__(self, pg: Any, peer: int, mine: np.ndarray, timeout: datetime.timedelta) -> None:
+        self._mine = torch.from_numpy(mine)  # host-side on purpose: the gloo group's own tensors
+        self._got = torch.empty_like(self._mine)
+        self._timeout = timeout
+        self._send = pg.send([self._mine], peer, PAIR_TAG)
+        self._recv = pg.recv([self._got], peer, PAIR_TAG)
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """The max, waited for (up to ``timeout`` seconds, else the group's timeout);
+        raises gloo's error if the peer does not answer in time."""
+        limit = self._timeout if timeout is None else datetime.timedelta(seconds=timeout)
+        self._send.wait(limit)
+        self._recv.wait(limit)
+        return np.maximum(self._mine.numpy(), self._got.numpy()).tolist()
+
+
+#: What :meth:`HostGroup.max_async` returns: a max in flight, whose ``result()`` waits.
+Exchange = concurrent.futures.Future | PairMax
 
 
 def _described(describe: Callable[[dict[int, str]], str], payloads: dict[int, str]) -> str:

@@ -33,7 +33,6 @@ each plan the first time it is run.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import logging
@@ -60,7 +59,7 @@ _plan_hashes: dict[str, int] = {}
 _reported: set[tuple[str, int]] = set()
 _published: set[int] = set()
 # (group name, plan) -> the plan check in flight: (host group, its ticket, the exchange)
-_pending: dict[tuple[str, int], tuple[host_group.HostGroup, int, concurrent.futures.Future]] = {}
+_pending: dict[tuple[str, int], tuple[host_group.HostGroup, int, host_group.Exchange]] = {}
 
 
 def pending() -> int:
@@ -140,7 +139,7 @@ def _(group_name, reduce_op, device):
     return torch.empty((), dtype=torch.float32, device=device)
 
 
-def outcome(exchange: concurrent.futures.Future, group_name: str) -> list[int]:
+def outcome(exchange: host_group.Exchange, group_name: str) -> list[int]:
     """The result of a plan check's exchange, waited for (bench.plan_check times it)."""
     try:
         return exchange.result()

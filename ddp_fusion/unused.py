@@ -51,7 +51,6 @@ the group's timeout).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import weakref
@@ -115,8 +114,8 @@ class Layout:
         )
         self._params = [weakref.ref(p) for _, p in params]
         self.unsynced = Unsynced(len(params))
-        # this step's exchange of used bits (a future), or the bits (no peers)
-        self.pending: concurrent.futures.Future | list[int] | None = None
+        # this step's exchange of used bits (host_group.max_async's), or the bits (no peers)
+        self.pending: host_group.Exchange | list[int] | None = None
         text = repr([(s.name, s.index, s.shape, s.stride, str(s.dtype)) for s in self.slots])
         self.digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -228,7 +227,7 @@ def _unused_fixup(token: torch.Tensor, model_id: int, indices: Sequence[int],
     exchange ``used_start`` began (``token``): nothing read from the device."""
     found = _live(model_id, "unused_fixup")
     pending, found.pending = found.pending, None
-    if isinstance(pending, concurrent.futures.Future):
+    if pending is not None and not isinstance(pending, list):
         try:
             pending = pending.result()
         except Exception as e:

@@ -89,7 +89,9 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
         outcome = plan_check.outcome
 
         def timed_outcome(exchange, group_name):
-            done, t0 = exchange.done(), time.perf_counter()
+            # (a two-rank exchange, host_group.PairMax, cannot say: gloo's point-to-point
+            # works report completion only once waited for)
+            done, t0 = (exchange.done() if hasattr(exchange, "done") else None), time.perf_counter()
             result = outcome(exchange, group_name)
             collected.append((done, (time.perf_counter() - t0) * 1e6))
             return result
@@ -112,8 +114,9 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
                         times.append((time.perf_counter() - t0) * 1e3)
                 out[mode].append(statistics.median(times))
                 if mode == "with check":
-                    done = sum(d for d, _ in collected) / len(collected)
-                    out["exchange done at the guard, %"].append(100 * done)
+                    known = [d for d, _ in collected if d is not None]
+                    out["exchange done at the guard, %"].append(
+                        100 * sum(known) / len(known) if known else float("nan"))
                     out["guard blocked, median us"].append(statistics.median(w for _, w in collected))
     return out
 
