@@ -139,6 +139,16 @@ def kept_grads_no_sync(rank, world_size, cap=0.03, steps=3, micro=3):
     with ddp_fusion.config.patch(enabled=True):
         ddp = ddp_fusion.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
         got, same = _train_no_sync(ddp, torch.compile(ddp), batches)
+    return _compiled_record(got, same, want, base, ddp)
+
+
+def _compiled_record(got, same, want, base, ddp):
+    """What the kept-``.grad`` probes report of a compiled run: its parameters against
+    eager torch DDP's (``want``), whether ``.grad`` stayed the same object, how far
+    training moved them from ``base``, the storages of the ``.grad``s and how each
+    bucket was reduced in place (ddp_fusion's counters)."""
+    from torch._dynamo.utils import counters
+
     return {
         "compiled": _max_diff(got, want), "compiled_same": same,
         "moved": _max_diff(want, [p.detach() for p in base.parameters()]),
@@ -185,12 +195,7 @@ def kept_grads(rank, world_size, cap=0.03, steps=6):
             got, same = _train_kept_grads(torch.compile(ddp), batches)
         out[gbav] = {
             "uncompiled": got_eager and _max_diff(got_eager, want), "uncompiled_same": same_eager,
-            "compiled": _max_diff(got, want), "compiled_same": same,
-            "moved": _max_diff(want, [p.detach() for p in base.parameters()]),
-            "params": [p.tolist() for p in got],
-            "storages": len(set(_storages(ddp))),
-            "in_place": {k.removeprefix("in place: "): v for k, v in counters["ddp_fusion"].items()
-                         if k.startswith("in place: ")},
+            **_compiled_record(got, same, want, base, ddp),
         }
     return out
 
