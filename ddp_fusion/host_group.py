@@ -59,7 +59,9 @@ import ipaddress
 import os
 import pickle
 import queue
+import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -121,10 +123,9 @@ class HostGroup:
         self._ended: str | None = None
         connect_s = min(CONNECT_TIMEOUT_S, self.timeout.total_seconds())
         pg = self._make(connect_s)
-        # The thread holds the only lasting reference to the gloo group but one: a group
-        # of two ranks also keeps it here for its max exchanges (:meth:`max_async`) until
-        # it ends. When both are gone, the group (its sockets, its threads) goes.
-        self._pair_pg: Any = pg if self.size == 2 else None
+        self._pair: PairChannel | None = None  # a group of two's max exchanges (max_async)
+        # The thread holds the only lasting reference to the gloo group: when it stops,
+        # the group (its sockets, its threads) goes.
         self._thread = threading.Thread(
             target=_serve, args=(self._jobs, pg),
             name=f"ddp_fusion host group {self.group_name}", daemon=True,
@@ -133,6 +134,8 @@ class HostGroup:
         self._thread.start()
         try:
             self._connect(connect_s)
+            if self.size == 2:
+                self._pair = self._pair_channel(connect_s)
         except BaseException:
             self.end("it could not connect")
             raise
@@ -188,6 +191,36 @@ class HostGroup:
             f"group rank {self.rank} ({_where()}) could not exchange with "
             f"{', '.join(peers)} ({why})"))
 
+    def _pair_channel(self, connect_s: float) -> PairChannel:
+        """The TCP connection of a group of two (:class:`PairChannel`): group rank 0
+        listens where gloo does and says where in the store, rank 1 connects, and each
+        names the group to the other; within ``connect_s``, else :class:`HostGroupError`
+        on both ranks."""
+        store = _torch.distributed.default_store()
+        key, hello = f"{self.prefix}/pair", self.prefix.encode()
+        deadline = time.monotonic() + connect_s
+        try:
+            if self.rank == 0:
+                host = _listen_address()
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                with socket.create_server((host, 0), family=family) as server:
+                    store.set(key, f"{host}|{server.getsockname()[1]}")
+                    sock = _accept_peer(server, hello, deadline)
+            else:
+                store.wait([key], datetime.timedelta(seconds=connect_s))
+                host, port = store.get(key).decode().rsplit("|", 1)
+                sock = socket.create_connection((host, int(port)), timeout=connect_s)
+                sock.sendall(_FRAME.pack(len(hello)) + hello)
+                if _read_hello(sock, deadline) != hello:
+                    raise ConnectionError(f"{host}:{port} answered for another group")
+        except Exception as e:  # noqa: BLE001 - named in the error every rank raises
+            raise HostGroupError(self._cannot(
+                f"group rank {self.rank} ({_where()}) could not make the TCP connection of the "
+                f"two ranks' exchanges ({type(e).__name__}: {e})")) from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (a few bytes: now)
+        peer = f"group rank {1 - self.rank} of process group {self.group_name!r}"
+        return PairChannel(sock, self.timeout, peer)
+
     def _cannot(self, what: str) -> str:
         return (
             f"ddp_fusion: the host group of process group {self.group_name!r} (a gloo group "
@@ -209,7 +242,8 @@ class HostGroup:
         with self._lock:
             if self._ended is None:
                 self._ended = why
-                self._pair_pg = None
+                if self._pair is not None:
+                    self._pair.close()
                 self._jobs.put(None)
         if wait_s > 0 and threading.current_thread() is not self._thread:
             self._thread.join(wait_s)
@@ -246,15 +280,16 @@ class HostGroup:
     def max_async(self, values: Sequence[int]) -> Exchange:
         """Start the element-wise max of ``values`` (int64) over the ranks; its
         ``.result()`` is a list of ints. Two ranks exchange one message
-        each way, posted here and carried by gloo's own threads (:class:`PairMax`): no
-        Python runs between them, so the exchange never waits for this process's GIL
-        (which the host group's thread would need between rounds while the main thread
-        runs backward). Larger groups run their rounds on the thread."""
+        each way on their own TCP connection (:class:`PairChannel`), sent here and
+        carried by the kernel: no Python runs between them, so the exchange never waits
+        for this process's GIL (which the host group's thread would need between rounds
+        while the main thread runs backward). Larger groups run their rounds on the
+        thread."""
         mine = np.array(values, dtype=np.int64)
-        if self.size == 2:
+        if self._pair is not None:
             with self._lock:
                 self._check_open()
-                return PairMax(self._pair_pg, 1 - self.rank, mine, self.timeout)
+                return self._pair.post(mine)
         return self._submit(lambda pg: self._max(pg, mine, self.timeout))
 
     def max(self, values: Sequence[int]) -> list[int]:
@@ -338,32 +373,93 @@ class HostGroup:
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
 
 
-#: The point-to-point tag of :class:`PairMax`'s messages; the thread's exchanges use 0.
-#: gloo matches a message by peer and tag, so the two streams never take each other's
-#: messages, whatever order they are posted in; each is in the same order on every rank.
-PAIR_TAG = 1
+class PairChannel:
+    """The max exchanges of a group of two ranks: one TCP connection between them, which
+    the kernel carries. Posting an exchange is one ``send`` of this rank's values;
+    collecting it reads the peer's, which have usually arrived long before (they sit in
+    the socket's buffer). No thread, no Python and no GIL between the two; gloo's own
+    point-to-point messages, tried first, took 0.1-5 ms to post on a busy 2-core host
+    (bench/results/host_bound_cpu_2026-11-26.md).
+
+    Messages are framed (a count of int64, then the values) and taken in the order they
+    were posted, which is the same on both ranks; one collected out of order waits here
+    until its own comes. A count that differs from this rank's means the ranks asked for
+    different exchanges: :class:`HostGroupError`."""
+
+    def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> None:
+        sock.settimeout(timeout.total_seconds())  # bounds a send the peer never reads
+        self._sock, self._peer = sock, peer
+        self._timeout = timeout
+        self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
+        self._posted = self._read = 0
+        self._early: dict[int, np.ndarray] = {}  # the peer's values read before their turn
+
+    def post(self, mine: np.ndarray) -> PairMax:
+        """Send this rank's ``mine`` (int64) and return the exchange, to collect later."""
+        frame = _FRAME.pack(len(mine)) + mine.astype("<i8").tobytes()
+        with self._send_lock:
+            seq, self._posted = self._posted, self._posted + 1
+            try:
+                self._sock.sendall(frame)
+            except OSError as e:
+                raise ConnectionError(f"could not send to {self._peer}: its process ended, or the "
+                                      f"connection broke ({type(e).__name__}: {e})") from e
+        return PairMax(self, seq, mine)
+
+    def take(self, seq: int, deadline: float) -> np.ndarray:
+        """The peer's values of exchange ``seq``, waited for until ``deadline``
+        (``time.monotonic``)."""
+        with self._recv_lock:
+            while seq not in self._early:
+                (count,) = _FRAME.unpack(self._read_exactly(_FRAME.size, deadline))
+                self._early[self._read] = np.frombuffer(self._read_exactly(8 * count, deadline), dtype="<i8")
+                self._read += 1
+            return self._early.pop(seq)
+
+    def _read_exactly(self, n: int, deadline: float) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._sock], [], [], left)[0]:
+                raise TimeoutError(f"{self._peer} sent nothing in time (it died, or is stuck "
+                                   "before this exchange)")
+            try:
+                k = self._sock.recv_into(view[got:])
+            except OSError as e:
+                k, why = 0, f": {type(e).__name__}: {e}"
+            else:
+                why = ""
+            if k == 0:
+                raise ConnectionError(f"{self._peer} closed the connection (its process ended{why})")
+            got += k
+        return bytes(buf)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+#: A :class:`PairChannel` message's header: the number of int64 values that follow.
+_FRAME = struct.Struct("<I")
 
 
 class PairMax:
-    """The element-wise max of a few int64 over a group of two ranks: this rank's values
-    sent to the peer and the peer's received, both posted at once (gloo carries them on
-    its own threads), combined when :meth:`result` is asked for. (No ``done()``: gloo's
-    point-to-point works say they are complete only once waited for.)"""
+    """An exchange posted on a :class:`PairChannel`; :meth:`result` collects it."""
 
-    def __init__(self, pg: Any, peer: int, mine: np.ndarray, timeout: datetime.timedelta) -> None:
-        self._mine = torch.from_numpy(mine)  # host-side on purpose: the gloo group's own tensors
-        self._got = torch.empty_like(self._mine)
-        self._timeout = timeout
-        self._send = pg.send([self._mine], peer, PAIR_TAG)
-        self._recv = pg.recv([self._got], peer, PAIR_TAG)
+    def __init__(self, channel: PairChannel, seq: int, mine: np.ndarray) -> None:
+        self._channel, self._seq, self._mine = channel, seq, mine
 
     def result(self, timeout: float | None = None) -> list[int]:
-        """The max, waited for (up to ``timeout`` seconds, else the group's timeout);
-        raises gloo's error if the peer does not answer in time."""
-        limit = self._timeout if timeout is None else datetime.timedelta(seconds=timeout)
-        self._send.wait(limit)
-        self._recv.wait(limit)
-        return np.maximum(self._mine.numpy(), self._got.numpy()).tolist()
+        """The element-wise max, waited for (up to ``timeout`` seconds, else the group's
+        timeout); raises if the peer does not answer in time or has gone."""
+        limit = self._channel._timeout.total_seconds() if timeout is None else timeout
+        theirs = self._channel.take(self._seq, time.monotonic() + limit)
+        if len(theirs) != len(self._mine):
+            raise HostGroupError(
+                f"ddp_fusion: the two ranks of a host group asked for different exchanges "
+                f"(exchange {self._seq}: {len(self._mine)} values on this rank, {len(theirs)} on the peer)"
+            )
+        return np.maximum(self._mine, theirs).tolist()
 
 
 #: What :meth:`HostGroup.max_async` returns: a max in flight, whose ``result()`` waits.
@@ -401,6 +497,62 @@ def _where() -> str:
     loopback = all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
     return (f"host {host}, address {', '.join(addresses)}"
             + (" (loopback: no other host can reach it)" if loopback else ""))
+
+
+def _listen_address() -> str:
+    """The address gloo listens on (:func:`_where`): the first interface
+    ``GLOO_SOCKET_IFNAME`` names (its IPv4 address), else the first address the host's
+    name resolves to that can be bound, else 127.0.0.1."""
+    ifname = os.environ.get(_torch.distributed.GLOO_SOCKET_IFNAME, "").split(",")[0].strip()
+    if ifname:
+        import fcntl  # (POSIX; Linux's SIOCGIFADDR)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    try:
+        found = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        found = []
+    for family, _, _, _, address in found:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((address[0], 0))
+            return str(address[0])
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+def _read_hello(sock: socket.socket, deadline: float) -> bytes:
+    """A peer's first message on a :class:`PairChannel`: the name it was made for."""
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("the peer closed the connection")
+            data += chunk
+        return data
+    (n,) = _FRAME.unpack(exactly(_FRAME.size))
+    return exactly(n) if n <= 4096 else b""
+
+
+def _accept_peer(server: socket.socket, hello: bytes, deadline: float) -> socket.socket:
+    """The first connection to ``server`` that names ``hello``, answered with it (a
+    stray one is closed); TimeoutError at ``deadline``."""
+    while True:
+        server.settimeout(max(1e-3, deadline - time.monotonic()))
+        sock, _ = server.accept()
+        try:
+            if _read_hello(sock, deadline) == hello:
+                sock.sendall(_FRAME.pack(len(hello)) + hello)
+                return sock
+        except OSError:
+            pass
+        sock.close()
+        if time.monotonic() >= deadline:
+            raise TimeoutError("no peer named this group")
 
 
 def _ranges(ranks: Sequence[int]) -> str:

@@ -78,7 +78,17 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return group
 
 
-@torch.library.custom_op("ddp_fusion::plan_check_start", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+# Defined with torch.library directly, as ops.py's bucket ops are: custom_op's wrapper
+# (its autograd function and its ``torch._disable_dynamo`` context) cost more Python per
+# call than these ops' own bodies, twice per group per step.
+_lib = torch.library.Library("ddp_fusion", "FRAGMENT")
+_lib.define("plan_check_start(str group_name, str plan, int plan_hash, Device device) -> Tensor",
+            tags=CUDAGRAPH_UNSAFE)
+_lib.define("plan_guard(Tensor token, str group_name, str plan, int plan_hash, str reduce_op, Device device) "
+            "-> Tensor", tags=CUDAGRAPH_UNSAFE)
+_lib.define("plan_divisor(str group_name, str reduce_op, Device device) -> Tensor", tags=CUDAGRAPH_UNSAFE)
+
+
 def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.device) -> torch.Tensor:
     """Start this step's cross-rank check of the group's bucket ``plan``: the max of
     (h, -h) of the plan's hash h (``plan_hash``, :func:`plan_hash` of it, computed by
@@ -97,12 +107,6 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
     return torch.zeros((), dtype=torch.float32, device=device)
 
 
-@plan_check_start.register_fake
-def _(group_name, plan, plan_hash, device):
-    return torch.empty((), dtype=torch.float32, device=device)
-
-
-@torch.library.custom_op("ddp_fusion::plan_guard", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def plan_guard(
     token: torch.Tensor, group_name: str, plan: str, plan_hash: int, reduce_op: str, device: torch.device
 ) -> torch.Tensor:
@@ -122,21 +126,22 @@ def plan_guard(
     return _divisor_tensor(group, reduce_op, device)
 
 
-@plan_guard.register_fake
-def _(token, group_name, plan, plan_hash, reduce_op, device):
-    return torch.empty((), dtype=torch.float32, device=device)
-
-
-@torch.library.custom_op("ddp_fusion::plan_divisor", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def plan_divisor(group_name: str, reduce_op: str, device: torch.device) -> torch.Tensor:
     """What :func:`plan_guard` returns, without waiting for the check: the bucket divisor
     for ``reduce_op`` as a 0-d float32 tensor on ``device``."""
     return _divisor_tensor(_group(group_name), reduce_op, device)
 
 
-@plan_divisor.register_fake
-def _(group_name, reduce_op, device):
-    return torch.empty((), dtype=torch.float32, device=device)
+def _empty_divisor(*args: object) -> torch.Tensor:
+    """What a plan op returns, for fake tensors: a 0-d float32 on the op's device (its
+    last argument)."""
+    return torch.empty((), dtype=torch.float32, device=args[-1])
+
+
+for _name, _impl in (("plan_check_start", plan_check_start), ("plan_guard", plan_guard),
+                     ("plan_divisor", plan_divisor)):
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"ddp_fusion::{_name}", _empty_divisor, lib=_lib)
 
 
 def outcome(exchange: host_group.Exchange, group_name: str) -> list[int]:

@@ -62,3 +62,54 @@ def test_peers_are_those_of_the_exchange(size):
     assert all(r in peers[p] for r in peers for p in peers[r])
     p = 1 << (size.bit_length() - 1)
     assert all(len(peers[r]) == (p.bit_length() - 1) + (r + p < size) for r in range(p))
+
+
+@pytest.fixture
+def pair():
+    """The two ends of a :class:`host_group.PairChannel` (one process, a socket pair)."""
+    a, b = __import__("socket").socketpair()
+    timeout = datetime.timedelta(seconds=5)
+    ends = host_group.PairChannel(a, timeout), host_group.PairChannel(b, timeout)
+    yield ends
+    for end in ends:
+        end.close()
+
+
+def test_pair_exchanges_are_matched_in_posting_order_whatever_order_they_are_collected(pair):
+    import numpy as np
+
+    mine, theirs = pair
+    first, second = mine.post(np.array([3, -3])), mine.post(np.array([7, 0, 1]))
+    their_first, their_second = theirs.post(np.array([5, -5])), theirs.post(np.array([2, 9, -4]))
+    assert second.result() == [7, 9, 1]  # (the first message is read and kept for its turn)
+    assert first.result() == [5, -3]
+    assert their_first.result() == [5, -3] and their_second.result() == [7, 9, 1]
+
+
+def test_pair_exchanges_of_different_lengths_raise_instead_of_mixing(pair):
+    import numpy as np
+
+    mine, theirs = pair
+    exchange = mine.post(np.array([1, -1]))
+    theirs.post(np.array([1, 2, 3]))
+    with pytest.raises(host_group.HostGroupError, match="asked for different exchanges .*2 values on this rank, 3"):
+        exchange.result()
+
+
+def test_a_pair_exchange_whose_peer_has_gone_raises_at_once_and_one_never_answered_in_time(pair):
+    import time
+
+    import numpy as np
+
+    mine, theirs = pair
+    exchange = mine.post(np.array([1, -1]))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="sent nothing"):
+        exchange.result(timeout=0.2)
+    assert time.monotonic() - start < 2
+    pending = mine.post(np.array([2, -2]))
+    theirs.close()
+    with pytest.raises(ConnectionError, match="the peer closed the connection"):
+        pending.result()
+    with pytest.raises(ConnectionError, match="could not send to the peer: its process ended"):
+        mine.post(np.array([0]))
