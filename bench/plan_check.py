@@ -2,7 +2,8 @@
 
 Each fused backward graph has one plan check per process group: ``plan_check_start``
 at graph start starts the max of (h, -h) of the plan's hash over the host group
-(ddp_fusion/host_group.py: gloo, CPU tensors, recursive doubling on its own thread), and
+(ddp_fusion/host_group.py: gloo, CPU tensors, recursive doubling on its own thread; two
+ranks: one message each way on their own TCP connection), and
 ``plan_guard``, before the group's first bucket, collects it. This times the pair back to
 back on local gloo ranks (so nothing hides the exchange), next to the bare exchange and
 to the all-gather of one int64 per rank that the check used before, and prints
@@ -14,8 +15,7 @@ Then, in the same run, the step time of a fused, compiled MLP (the demo's: 8 x
 Linear(512, 512), batch 64) with the check and with its exchange patched out
 (no host group), alternating per round on the same compiled model, so the check's share
 of a step shows; and, with the check, whether each step's exchange had finished by the
-time the guard collected it (the main thread running backward meanwhile; ``nan`` at 2
-ranks, whose exchange is two gloo messages that report completion only once waited for)
+time the guard collected it (the main thread running backward meanwhile),
 and how long the guard blocked on it. The rank functions are in bench/_lib/probes.py.
 
     python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20] [--world-size 2]

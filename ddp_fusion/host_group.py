@@ -25,10 +25,11 @@ tensors, which the host reads directly (through numpy, never ``Tensor.item``):
 Every exchange runs on the group's own thread in the order it was asked for, which is
 the same on every rank, so a caller can start one and collect it later (the plan check
 starts at the beginning of backward and waits where the first bucket is issued); but a
-max over two ranks is one message each way, which gloo's own threads carry without any
-Python in between (:class:`PairMax`), so it does not wait for this process's GIL while
+max over two ranks is one message each way on a TCP connection of the pair's own
+(:class:`PairChannel`): sent by the caller, carried by the kernel, read when collected,
+with no thread and no Python in between, so it never waits for this process's GIL while
 the main thread runs backward. A peer that never comes fails the exchange after the
-model group's timeout.
+model group's timeout; one whose process ended fails it at once.
 
 The gloo group is made over the default store, under a prefix named after the model's
 group, and connects lazily, each rank only to the peers it exchanges with (``O(log N)``
@@ -40,7 +41,9 @@ by :data:`CONNECT_TIMEOUT_S`, not by the group's timeout. A rank that cannot mak
 end, or ranks that cannot connect (gloo listens on the address the host's name resolves
 to, unless ``GLOO_SOCKET_IFNAME`` names an interface: a name that resolves to
 127.0.1.1 cannot be reached from another node), raise :class:`HostGroupError` on every
-rank within seconds, naming the addresses and ``GLOO_SOCKET_IFNAME``.
+rank within seconds, naming the addresses and ``GLOO_SOCKET_IFNAME``. A group of two
+then makes its own connection the same way, bounded alike: group rank 0 listens where
+gloo does and says where in the store, rank 1 connects, and each names the group.
 
 A host group ends with its process group: when ``destroy_process_group`` unregisters
 the group (c10d's unregister functions are wrapped, through ``_torch.patching``, while
@@ -393,6 +396,8 @@ class PairChannel:
         self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
         self._posted = self._read = 0
         self._early: dict[int, np.ndarray] = {}  # the peer's values read before their turn
+        self._mid_frame = False
+        self._broken: str | None = None
 
     def post(self, mine: np.ndarray) -> PairMax:
         """Send this rank's ``mine`` (int64) and return the exchange, to collect later."""
@@ -410,11 +415,27 @@ class PairChannel:
         """The peer's values of exchange ``seq``, waited for until ``deadline``
         (``time.monotonic``)."""
         with self._recv_lock:
-            while seq not in self._early:
-                (count,) = _FRAME.unpack(self._read_exactly(_FRAME.size, deadline))
-                self._early[self._read] = np.frombuffer(self._read_exactly(8 * count, deadline), dtype="<i8")
-                self._read += 1
+            if self._broken is not None:
+                raise ConnectionError(self._broken)
+            try:
+                while seq not in self._early:
+                    (count,) = _FRAME.unpack(self._read_exactly(_FRAME.size, deadline))
+                    values = self._read_exactly(8 * count, deadline)
+                    self._early[self._read] = np.frombuffer(values, dtype="<i8")
+                    self._read += 1
+                    self._mid_frame = False
+            except OSError as e:
+                if self._mid_frame:  # part of a message read: the stream cannot be trusted
+                    self._broken = f"the connection to {self._peer} broke in the middle of a message: {e}"
+                raise
             return self._early.pop(seq)
+
+    def arrived(self, seq: int) -> bool:
+        """Whether the peer's values of exchange ``seq`` have been read, or (the next to
+        read) have begun to arrive: collecting them would not wait for the peer."""
+        with self._recv_lock:
+            return seq in self._early or (
+                seq == self._read and bool(select.select([self._sock], [], [], 0)[0]))
 
     def _read_exactly(self, n: int, deadline: float) -> bytes:
         buf = bytearray(n)
@@ -433,6 +454,7 @@ class PairChannel:
             if k == 0:
                 raise ConnectionError(f"{self._peer} closed the connection (its process ended{why})")
             got += k
+            self._mid_frame = True
         return bytes(buf)
 
     def close(self) -> None:
@@ -448,6 +470,10 @@ class PairMax:
 
     def __init__(self, channel: PairChannel, seq: int, mine: np.ndarray) -> None:
         self._channel, self._seq, self._mine = channel, seq, mine
+
+    def done(self) -> bool:
+        """Whether :meth:`result` would not wait for the peer."""
+        return self._channel.arrived(self._seq)
 
     def result(self, timeout: float | None = None) -> list[int]:
         """The element-wise max, waited for (up to ``timeout`` seconds, else the group's

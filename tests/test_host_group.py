@@ -92,7 +92,8 @@ def test_pair_exchanges_of_different_lengths_raise_instead_of_mixing(pair):
     mine, theirs = pair
     exchange = mine.post(np.array([1, -1]))
     theirs.post(np.array([1, 2, 3]))
-    with pytest.raises(host_group.HostGroupError, match="asked for different exchanges .*2 values on this rank, 3"):
+    with pytest.raises(host_group.HostGroupError,
+                       match="asked for different exchanges .*2 values on this rank, 3"):
         exchange.result()
 
 

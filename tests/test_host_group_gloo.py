@@ -45,13 +45,17 @@ def test_a_host_group_that_cannot_connect_fails_on_every_rank_within_seconds():
     the host group's check where the model is built raises within its bound (10 s) on
     both ranks. Rank 1's ``GLOO_SOCKET_IFNAME`` naming an interface it lacks: both raise
     at once (before, the host group ignored ``GLOO_SOCKET_IFNAME``). Both naming ``lo``:
-    the model builds."""
+    the model builds. The two ranks' own connection (host_group.PairChannel) to an
+    address nobody answers at: both raise within the same bound."""
     for out in run_ranks(cannot_connect, world_size=2, timeout=300, pg_timeout=60):
         seconds, kind, message = out["unreachable"]
         assert kind == "HostGroupError", out
         assert seconds < 30, out
         assert "cannot connect" in message and "GLOO_SOCKET_IFNAME" in message, message
         assert "could not exchange with group rank" in message and "(host " in message, message
+        seconds, kind, message = out["pair unreachable"]
+        assert kind == "HostGroupError" and seconds < 30, out
+        assert "could not make the TCP connection of the two ranks' exchanges" in message, message
         seconds, kind, message = out["no such interface"]
         assert kind == "HostGroupError" and seconds < 30, out
         assert "group rank 1 (host" in message, message

@@ -89,8 +89,6 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
         outcome = plan_check.outcome
 
         def timed_outcome(exchange, group_name):
-            # (a two-rank exchange, host_group.PairMax, cannot say: gloo's point-to-point
-            # works report completion only once waited for)
             done, t0 = (exchange.done() if hasattr(exchange, "done") else None), time.perf_counter()
             result = outcome(exchange, group_name)
             collected.append((done, (time.perf_counter() - t0) * 1e6))
