@@ -380,82 +380,91 @@ class PairChannel:
     """The max exchanges of a group of two ranks: one TCP connection between them, which
     the kernel carries. Posting an exchange is one ``send`` of this rank's values;
     collecting it reads the peer's, which have usually arrived long before (they sit in
-    the socket's buffer). No thread, no Python and no GIL between the two; gloo's own
-    point-to-point messages, tried first, took 0.1-5 ms to post on a busy 2-core host
-    (bench/results/host_bound_cpu_2026-11-26.md).
+    the socket's buffer: one ``recv``). No thread, no Python and no GIL between the two;
+    gloo's own point-to-point messages, tried first, took 0.1-5 ms to post on a busy
+    2-core host (bench/results/host_bound_cpu_2026-11-26.md).
 
     Messages are framed (a count of int64, then the values) and taken in the order they
     were posted, which is the same on both ranks; one collected out of order waits here
     until its own comes. A count that differs from this rank's means the ranks asked for
-    different exchanges: :class:`HostGroupError`."""
+    different exchanges: :class:`HostGroupError`. The socket does not block: every wait
+    is a ``select`` bounded by the group's timeout (or the caller's)."""
 
     def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> None:
-        sock.settimeout(timeout.total_seconds())  # bounds a send the peer never reads
+        sock.setblocking(False)
         self._sock, self._peer = sock, peer
         self._timeout = timeout
         self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
         self._posted = self._read = 0
-        self._early: dict[int, np.ndarray] = {}  # the peer's values read before their turn
-        self._mid_frame = False
-        self._broken: str | None = None
+        self._buf = bytearray()  # received, not yet a whole message
+        self._early: dict[int, tuple[int, ...]] = {}  # the peer's values read before their turn
 
     def post(self, mine: np.ndarray) -> PairMax:
         """Send this rank's ``mine`` (int64) and return the exchange, to collect later."""
-        frame = _FRAME.pack(len(mine)) + mine.astype("<i8").tobytes()
+        frame = memoryview(_FRAME.pack(len(mine)) + mine.astype("<i8", copy=False).tobytes())
+        deadline = None
         with self._send_lock:
             seq, self._posted = self._posted, self._posted + 1
             try:
-                self._sock.sendall(frame)
-            except OSError as e:
-                raise ConnectionError(f"could not send to {self._peer}: its process ended, or the "
-                                      f"connection broke ({type(e).__name__}: {e})") from e
-        return PairMax(self, seq, mine)
+                while frame:
+                    try:
+                        frame = frame[self._sock.send(frame):]
+                    except BlockingIOError:  # the peer has not read for a long time
+                        deadline = deadline or time.monotonic() + self._timeout.total_seconds()
+                        self._wait(deadline, writing=True)
+            except (OSError, TimeoutError) as e:
+                raise ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
+                                      f"or the connection broke ({type(e).__name__}: {e})") from e
+        return PairMax(self, seq, mine.tolist())
 
-    def take(self, seq: int, deadline: float) -> np.ndarray:
+    def take(self, seq: int, deadline: float) -> tuple[int, ...]:
         """The peer's values of exchange ``seq``, waited for until ``deadline``
         (``time.monotonic``)."""
         with self._recv_lock:
-            if self._broken is not None:
-                raise ConnectionError(self._broken)
-            try:
-                while seq not in self._early:
-                    (count,) = _FRAME.unpack(self._read_exactly(_FRAME.size, deadline))
-                    values = self._read_exactly(8 * count, deadline)
-                    self._early[self._read] = np.frombuffer(values, dtype="<i8")
-                    self._read += 1
-                    self._mid_frame = False
-            except OSError as e:
-                if self._mid_frame:  # part of a message read: the stream cannot be trusted
-                    self._broken = f"the connection to {self._peer} broke in the middle of a message: {e}"
-                raise
+            while seq not in self._early:
+                if not self._receive():
+                    self._wait(deadline, writing=False)
             return self._early.pop(seq)
 
     def arrived(self, seq: int) -> bool:
-        """Whether the peer's values of exchange ``seq`` have been read, or (the next to
-        read) have begun to arrive: collecting them would not wait for the peer."""
+        """Whether the peer's values of exchange ``seq`` are here: collecting them would
+        not wait for the peer."""
         with self._recv_lock:
-            return seq in self._early or (
-                seq == self._read and bool(select.select([self._sock], [], [], 0)[0]))
+            self._receive()
+            return seq in self._early
 
-    def _read_exactly(self, n: int, deadline: float) -> bytes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._sock], [], [], left)[0]:
-                raise TimeoutError(f"{self._peer} sent nothing in time (it died, or is stuck "
-                                   "before this exchange)")
-            try:
-                k = self._sock.recv_into(view[got:])
-            except OSError as e:
-                k, why = 0, f": {type(e).__name__}: {e}"
-            else:
-                why = ""
-            if k == 0:
-                raise ConnectionError(f"{self._peer} closed the connection (its process ended{why})")
-            got += k
-            self._mid_frame = True
-        return bytes(buf)
+    def _receive(self) -> bool:
+        """Read what has arrived, without waiting; whether anything had."""
+        try:
+            data = self._sock.recv(1 << 16)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            raise ConnectionError(f"{self._peer} closed the connection (its process ended: "
+                                  f"{type(e).__name__}: {e})") from e
+        if not data:
+            raise ConnectionError(f"{self._peer} closed the connection (its process ended)")
+        buf = self._buf
+        buf += data
+        at = 0
+        while len(buf) - at >= _FRAME.size:
+            (count,) = _FRAME.unpack_from(buf, at)
+            end = at + _FRAME.size + 8 * count
+            if len(buf) < end:
+                break
+            self._early[self._read] = struct.unpack_from(f"<{count}q", buf, at + _FRAME.size)
+            self._read += 1
+            at = end
+        del buf[:at]
+        return True
+
+    def _wait(self, deadline: float, writing: bool) -> None:
+        left = deadline - time.monotonic()
+        reading, sending = ([], [self._sock]) if writing else ([self._sock], [])
+        ready = left > 0 and any(select.select(reading, sending, [], left))
+        if not ready:
+            what = "read nothing" if writing else "sent nothing"
+            raise TimeoutError(f"{self._peer} {what} in time (it died, or is stuck before this exchange)")
 
     def close(self) -> None:
         self._sock.close()
@@ -468,7 +477,7 @@ _FRAME = struct.Struct("<I")
 class PairMax:
     """An exchange posted on a :class:`PairChannel`; :meth:`result` collects it."""
 
-    def __init__(self, channel: PairChannel, seq: int, mine: np.ndarray) -> None:
+    def __init__(self, channel: PairChannel, seq: int, mine: list[int]) -> None:
         self._channel, self._seq, self._mine = channel, seq, mine
 
     def done(self) -> bool:
@@ -485,7 +494,7 @@ class PairMax:
                 f"ddp_fusion: the two ranks of a host group asked for different exchanges "
                 f"(exchange {self._seq}: {len(self._mine)} values on this rank, {len(theirs)} on the peer)"
             )
-        return np.maximum(self._mine, theirs).tolist()
+        return [max(a, b) for a, b in zip(self._mine, theirs)]
 
 
 #: What :meth:`HostGroup.max_async` returns: a max in flight, whose ``result()`` waits.

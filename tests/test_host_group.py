@@ -114,3 +114,16 @@ def test_a_pair_exchange_whose_peer_has_gone_raises_at_once_and_one_never_answer
         pending.result()
     with pytest.raises(ConnectionError, match="could not send to the peer: its process ended"):
         mine.post(np.array([0]))
+
+
+def test_a_pair_message_that_arrives_in_pieces_is_collected_whole_after_a_timeout(pair):
+    import numpy as np
+
+    mine, theirs = pair
+    exchange = mine.post(np.array([4, -4]))
+    frame = host_group._FRAME.pack(2) + np.array([6, -6], dtype="<i8").tobytes()
+    theirs._sock.send(frame[:7])  # (the header and part of the first value)
+    with pytest.raises(TimeoutError, match="sent nothing in time"):
+        exchange.result(timeout=0.1)
+    theirs._sock.send(frame[7:])
+    assert exchange.result() == [6, -4]
