@@ -19,6 +19,7 @@ time the guard collected it (the main thread running backward meanwhile),
 and how long the guard blocked on it. The rank functions are in bench/_lib/probes.py.
 
     python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20] [--world-size 2]
+    python -m bench.plan_check --model hf_gpt2 --rounds 10 --steps 50   # a bench model's step
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import statistics
 
 import torch
 
-from bench._lib import probes
+from bench._lib import probes, step
+from bench._lib.jobs import Job
+from bench._lib.models import MODELS
 from ddp_fusion.launch import run_ranks
 
 
@@ -39,7 +42,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round and mode")
     parser.add_argument("--world-size", type=int, default=2, choices=(2, 4))
     parser.add_argument("--no-step", action="store_true", help="only the calls, not the MLP step")
+    parser.add_argument("--model", default=None, choices=sorted(MODELS),
+                        help="time this bench.step_time model's ddp_fusion_concat step with and "
+                             "without the check, instead of the demo MLP's (the calls are skipped)")
     args = parser.parse_args(argv)
+    if args.model:
+        _model_step(args)
+        return
     print(f"torch {torch.__version__}, {args.world_size} gloo ranks, {args.rounds} rounds x "
           f"{args.calls} calls", flush=True)
     results = run_ranks(probes.plan_check_calls, world_size=args.world_size,
@@ -50,9 +59,23 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{mode:<46}{statistics.median(per_round):>11.1f}{max(per_round):>9.1f}")
     if args.no_step:
         return
-    print(f"\nfused MLP step (8 x Linear(512, 512), batch 64), median of {args.steps} steps per "
-          "round, slower rank", flush=True)
     steps = run_ranks(probes.plan_check_step, world_size=2, args=(args.rounds, args.steps), timeout=1200)
+    _print_steps("fused MLP step (8 x Linear(512, 512), batch 64)", args, steps)
+
+
+def _model_step(args: argparse.Namespace) -> None:
+    job = Job(args.model, "ddp_fusion_concat", None)
+    try:
+        job.start()
+        job.run(step.warmup, 5)
+        steps = job.run(probes.plan_check_job_step, args.rounds, args.steps)
+    finally:
+        job.stop()
+    _print_steps(f"{args.model}, ddp_fusion_concat", args, steps)
+
+
+def _print_steps(what: str, args: argparse.Namespace, steps: list[dict[str, list[float]]]) -> None:
+    print(f"\n{what}: median of {args.steps} steps per round, slower rank", flush=True)
     print(f"{'mode':<46}{'median':>11}{'max':>9}   (step: ms, slower rank; the guard: worst rank)")
     for mode in steps[0]:
         worst = min if mode.endswith("%") else max

@@ -435,6 +435,8 @@ class PairChannel:
 
     def _receive(self) -> bool:
         """Read what has arrived, without waiting; whether anything had."""
+        if self._sock.fileno() < 0:
+            raise ConnectionError(f"the connection to {self._peer} was closed here: its host group has ended")
         try:
             data = self._sock.recv(1 << 16)
         except BlockingIOError:

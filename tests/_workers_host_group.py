@@ -168,9 +168,10 @@ def _build(group):
 
 def cannot_connect(rank, world_size):
     """Host groups on new groups of both ranks: the ranks' gloo addresses read as ones
-    nobody answers at; the pair's own connection's address reads so; rank 1's ``GLOO_SOCKET_IFNAME`` names an interface it lacks; both
-    name the loopback interface (``lo``: fine). Returns ``{case: (seconds, error type,
-    message)}``: each failure must come within seconds, on both ranks."""
+    nobody answers at; the pair's own connection's address reads so; rank 1's
+    ``GLOO_SOCKET_IFNAME`` names an interface it lacks; both name the loopback interface
+    (``lo``: fine). Returns ``{case: (seconds, error type, message)}``: each failure must
+    come within seconds, on both ranks."""
     from ddp_fusion import _torch
 
     _torch.check_torch()  # (imports Dynamo and Inductor: not part of the time)

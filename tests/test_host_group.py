@@ -127,3 +127,13 @@ def test_a_pair_message_that_arrives_in_pieces_is_collected_whole_after_a_timeou
         exchange.result(timeout=0.1)
     theirs._sock.send(frame[7:])
     assert exchange.result() == [6, -4]
+
+
+def test_a_pair_exchange_collected_after_its_host_group_ended_says_so(pair):
+    import numpy as np
+
+    mine, _ = pair
+    exchange = mine.post(np.array([1, -1]))
+    mine.close()
+    with pytest.raises(ConnectionError, match="was closed here: its host group has ended"):
+        exchange.result()

@@ -3,7 +3,8 @@
 * :func:`plan_check_calls`, :func:`plan_check_step` (``bench.plan_check``): the per-step
   cross-rank plan check (``plan_check_start`` + ``plan_guard``) back to back, next to its
   bare exchange on the host group and to the all-gather of one int64 per rank the check
-  used before; the demo MLP's fused step with and without it;
+  used before; the demo MLP's fused step (or a bench job's: :func:`plan_check_job_step`)
+  with and without it;
 * :func:`powersgd_trial` (``bench.hook_order``): PowerSGD on several buckets, eager torch
   DDP or ddp_fusion.
 """
@@ -68,11 +69,7 @@ def _demo_mlp(width: int = 512, depth: int = 8) -> nn.Module:
 
 def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
     """Median step ms per round of the demo MLP, fused and compiled, with the plan check
-    and with its exchange patched out (no host group: no exchange, no comparison),
-    alternating per round on the same compiled model. With the check, also per round:
-    the share of steps whose exchange had finished when the guard came to collect it
-    (the main thread busy in backward meanwhile), and the median time the guard
-    blocked on it (us)."""
+    and with its exchange patched out (:func:`_check_or_not`)."""
     with ddp_fusion.config.patch(enabled=True):
         model = torch.compile(ddp_fusion.DistributedDataParallel(_demo_mlp()))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -85,37 +82,53 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
 
         for _ in range(3):  # compiles
             step()
-        collected: list[tuple[bool, float]] = []
-        outcome = plan_check.outcome
+        return _check_or_not(step, rounds, steps)
 
-        def timed_outcome(exchange, group_name):
-            done, t0 = (exchange.done() if hasattr(exchange, "done") else None), time.perf_counter()
-            result = outcome(exchange, group_name)
-            collected.append((done, (time.perf_counter() - t0) * 1e6))
-            return result
 
-        modes = ("with check", "check patched out")
-        out: dict[str, list[float]] = {m: [] for m in modes}
-        out |= {"exchange done at the guard, %": [], "guard blocked, median us": []}
-        for _ in range(rounds):
-            for mode in modes:
-                patch = (unittest.mock.patch.object(plan_check, "outcome", timed_outcome)
-                         if mode == "with check"
-                         else unittest.mock.patch.object(host_group, "of", lambda group: None))
-                collected.clear()
-                with patch:
-                    times = []
-                    for _ in range(steps):
-                        dist.barrier()
-                        t0 = time.perf_counter()
-                        step()
-                        times.append((time.perf_counter() - t0) * 1e3)
-                out[mode].append(statistics.median(times))
-                if mode == "with check":
-                    known = [d for d, _ in collected if d is not None]
-                    out["exchange done at the guard, %"].append(
-                        100 * sum(known) / len(known) if known else float("nan"))
-                    out["guard blocked, median us"].append(statistics.median(w for _, w in collected))
+def plan_check_job_step(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
+    """:func:`plan_check_step` on the step of the rank's bench job (a ``bench.step_time``
+    model and mode, already warmed up: bench/_lib/step.py)."""
+    from bench._lib import step
+
+    return _check_or_not(step._current().step, rounds, steps)
+
+
+def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str, list[float]]:
+    """Median ms per round of ``step`` (compiled, fused) with the plan check and with its
+    exchange patched out (no host group: no exchange, no comparison), alternating per
+    round on the same compiled model. With the check, also per round: the share of steps
+    whose exchange had finished when the guard came to collect it (the main thread busy
+    in backward meanwhile), and the median time the guard spent collecting it (us)."""
+    collected: list[tuple[bool, float]] = []
+    outcome = plan_check.outcome
+
+    def timed_outcome(exchange, group_name):
+        done, t0 = exchange.done(), time.perf_counter()
+        result = outcome(exchange, group_name)
+        collected.append((done, (time.perf_counter() - t0) * 1e6))
+        return result
+
+    modes = ("with check", "check patched out")
+    out: dict[str, list[float]] = {m: [] for m in modes}
+    out |= {"exchange done at the guard, %": [], "guard collecting, median us": []}
+    for i in range(rounds):
+        for mode in modes if i % 2 == 0 else modes[::-1]:
+            patch = (unittest.mock.patch.object(plan_check, "outcome", timed_outcome)
+                     if mode == "with check"
+                     else unittest.mock.patch.object(host_group, "of", lambda group: None))
+            collected.clear()
+            with patch:
+                times = []
+                for _ in range(steps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    step()
+                    times.append((time.perf_counter() - t0) * 1e3)
+            out[mode].append(statistics.median(times))
+            if mode == "with check":
+                done = sum(d for d, _ in collected)
+                out["exchange done at the guard, %"].append(100 * done / len(collected))
+                out["guard collecting, median us"].append(statistics.median(w for _, w in collected))
     return out
 
 
