@@ -90,7 +90,7 @@ def plan_check_job_step(rank: int, world_size: int, rounds: int, steps: int) -> 
     model and mode, already warmed up: bench/_lib/step.py)."""
     from bench._lib import step
 
-    return _check_or_not(step._current().step, rounds, steps)
+    return _check_or_not(step.current_step(), rounds, steps)
 
 
 def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str, list[float]]:

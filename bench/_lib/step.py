@@ -167,6 +167,11 @@ def _current() -> _Job:
     return _job
 
 
+def current_step() -> Callable[[], None]:
+    """The training step of this rank's job (for rank functions of other modules)."""
+    return _current().step
+
+
 def warmup(rank: int, world_size: int, n: int) -> float:
     """``n`` steps between barriers (the compiles); seconds."""
     job = _current()
