@@ -412,7 +412,7 @@ class PairChannel:
                     except BlockingIOError:  # the peer has not read for a long time
                         deadline = deadline or time.monotonic() + self._timeout.total_seconds()
                         self._wait(deadline, writing=True)
-            except (OSError, TimeoutError) as e:
+            except OSError as e:  # (TimeoutError too)
                 raise ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
                                       f"or the connection broke ({type(e).__name__}: {e})") from e
         return PairMax(self, seq, mine.tolist())
