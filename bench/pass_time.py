@@ -24,6 +24,10 @@ left in the graph is reported so that one can see each pass really fused.
     python -m bench.pass_time --quick                          # N = 100, 200, 400
     python -m bench.pass_time --sizes 100,1000 --skip-upstream-above 400
     python -m bench.pass_time --shape kept --sizes 800,3200   # into kept .grads (in place)
+    python -m bench.pass_time --sizes 800,3200 --collector both  # also with gc left on
+
+``--collector both`` also times our passes with Python's garbage collector left on (the
+pass pauses it), alternating the two per run, since this VM's speed drifts between runs.
 
 Writes a table to stdout and ``bench/out/pass_time.json``.
 """
@@ -49,6 +53,8 @@ SHAPE = (1024, 1024)  # 1M fp32 elements = 4 MB per gradient
 DEFAULT_SIZES = (100, 200, 400, 800, 1600, 3200)
 QUICK_SIZES = (100, 200, 400)
 UPSTREAM_BUCKET_MB = 25
+GROWTH_KEYS = ("ours_concat", "ours_coalesced", "ours_concat_gc_on", "ours_coalesced_gc_on",
+               "upstream_concat")
 SLOW_S = 10.0  # a measurement slower than this is not repeated
 COLLECTIVES = {
     _torch.C10D.all_reduce.default,
@@ -118,9 +124,11 @@ def count_collectives(graph: torch.fx.Graph) -> int:
 # --- passes ---------------------------------------------------------------------------
 
 
-def run_ours(algorithm: str) -> Callable[[torch.fx.GraphModule], None]:
+def run_ours(algorithm: str, collector_on: bool = False) -> Callable[[torch.fx.GraphModule], None]:
+    fuse = fuse_ddp_allreduces.__wrapped__ if collector_on else fuse_ddp_allreduces  # undecorated: gc left on
+
     def run(gm):
-        fuse_ddp_allreduces(gm.graph, algorithm=algorithm)
+        fuse(gm.graph, algorithm=algorithm)
 
     return run
 
@@ -157,6 +165,22 @@ def measure(label: str, n: int, trace, run_pass, repeats: int) -> dict:
             "collectives_before": before, "collectives_after": after}
 
 
+def measure_ours(algorithm: str, n: int, trace, repeats: int, also_gc_on: bool) -> dict:
+    """Our pass as it runs (the collector paused), and where ``also_gc_on`` with the
+    collector on too, the two alternating run by run."""
+    if not also_gc_on:
+        return {f"ours_{algorithm}": measure(f"ours {algorithm}", n, trace, run_ours(algorithm), repeats)}
+    runs: dict[str, list[dict]] = {f"ours_{algorithm}": [], f"ours_{algorithm}_gc_on": []}
+    for i in range(repeats):
+        for key in sorted(runs, reverse=i % 2 == 1):
+            label = key.removeprefix("ours_").replace("_gc_on", " gc on")
+            run = run_ours(algorithm, collector_on=key.endswith("gc_on"))
+            runs[key].append(measure(f"ours {label}", n, trace, run, 1))
+    return {key: min(rs, key=lambda r: r["ms"]) | {"runs_ms": [r["ms"] for r in rs],
+                                                   "runs_cpu_ms": [r["cpu_ms"] for r in rs]}
+            for key, rs in runs.items()}
+
+
 # --- report ---------------------------------------------------------------------------
 
 
@@ -190,8 +214,8 @@ def growth(rows: list[dict]) -> dict:
     if lo not in by_n or hi % 4:
         return {}
     ratios: dict = {"from_n": lo, "to_n": hi}
-    for key in ("ours_concat", "ours_coalesced", "upstream_concat"):
-        a, b = by_n[lo][key], by_n[hi][key]
+    for key in GROWTH_KEYS:
+        a, b = by_n[lo].get(key), by_n[hi].get(key)
         if a and b:
             ratios[key] = {"wall": b["ms"] / a["ms"], "cpu": b["cpu_ms"] / a["cpu_ms"]}
     return ratios
@@ -210,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(GRAPHS), default="chain",
                         help="chain: each gradient a new tensor; kept: each copied into a graph "
                              "input (a kept .grad; upstream's pass is not run on it)")
+    parser.add_argument("--collector", choices=("paused", "both"), default="paused",
+                        help="both: also time our passes with the garbage collector left on")
     parser.add_argument("--out", default="pass_time.json", help="JSON output (relative: under bench/out/)")
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else tuple(int(s) for s in args.sizes.split(","))
@@ -232,12 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     graph = GRAPHS[args.shape]
     rows = []
     for n in sizes:
-        row = {
-            "n": n,
-            "ours_concat": measure("ours concat", n, graph, run_ours("concat"), args.repeats),
-            "ours_coalesced": measure("ours coalesced", n, graph, run_ours("coalesced"), args.repeats),
-            "upstream_concat": None,
-        }
+        row = {"n": n, "upstream_concat": None}
+        for algorithm in ("concat", "coalesced"):
+            row |= measure_ours(algorithm, n, graph, args.repeats, args.collector == "both")
         if args.shape == "chain" and n <= args.skip_upstream_above:
             row["upstream_concat"] = measure("upstream concat", n, upstream_graph,
                                              run_upstream, args.repeats)
@@ -253,9 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     if ratios:
         print(f"\ngrowth time(N={ratios['to_n']}) / time(N={ratios['from_n']}) "
               "(linear ~4, quadratic ~16):")
-        for key in ("ours_concat", "ours_coalesced", "upstream_concat"):
+        for key in GROWTH_KEYS:
             if key in ratios:
-                print(f"  {key:<16s} wall {ratios[key]['wall']:.1f}, cpu {ratios[key]['cpu']:.1f}")
+                print(f"  {key:<22s} wall {ratios[key]['wall']:.1f}, cpu {ratios[key]['cpu']:.1f}")
     load_after = os.getloadavg()
     print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"on {os.cpu_count()} CPUs")

@@ -838,6 +838,28 @@ def test_the_pass_rewrites_the_graph_output_a_constant_number_of_times(kept, mon
 
 
 @pytest.mark.usefixtures("fake_pg")
+def test_the_pass_runs_with_the_garbage_collector_paused(monkeypatch):
+    """Python's full collections walk every live object, most of them the graph's nodes
+    and fake tensors: run during the pass, they made its time grow faster than the
+    graph (bench/results/pass_time_cpu_2026-11-26.md). Paused inside, restored after,
+    also when the pass raises."""
+    import gc
+
+    from ddp_fusion import passes
+
+    seen = []
+    plan = passes.plan_buckets
+    monkeypatch.setattr(passes, "plan_buckets", lambda *a: seen.append(gc.isenabled()) or plan(*a))
+    fuse(_gradients(4, kept=False), algorithm="concat")
+    assert seen == [False] and gc.isenabled()
+
+    monkeypatch.setattr(passes, "plan_buckets", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        fuse(_gradients(4, kept=False), algorithm="concat")
+    assert gc.isenabled()
+
+
+@pytest.mark.usefixtures("fake_pg")
 @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
 def test_a_gradient_sits_in_its_bucket_in_its_parameters_layout(algorithm):
     """Issue 37: the element order of a gradient in its bucket is its parameter's layout
