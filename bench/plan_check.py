@@ -20,6 +20,11 @@ and how long the guard blocked on it. The rank functions are in bench/_lib/probe
 
     python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20] [--world-size 2]
     python -m bench.plan_check --model hf_gpt2 --rounds 10 --steps 50   # a bench model's step
+    python -m bench.plan_check --plan-sizes 1,1000,10000   # the ops' own cost vs plan size
+
+``--plan-sizes`` times, in one process on a fake group (no exchange), one step's plan
+ops as a fused graph calls them (``plan_check_start``, ``plan_divisor``, ``plan_guard``,
+through the dispatcher) for plans of N gradients: their cost must not grow with N.
 """
 
 from __future__ import annotations
@@ -45,7 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, choices=sorted(MODELS),
                         help="time this bench.step_time model's ddp_fusion_concat step with and "
                              "without the check, instead of the demo MLP's (the calls are skipped)")
+    parser.add_argument("--plan-sizes", default=None, metavar="N,N,...",
+                        help="only the plan ops' per-step cost for plans of these numbers of gradients")
     args = parser.parse_args(argv)
+    if args.plan_sizes:
+        _plan_sizes([int(n) for n in args.plan_sizes.split(",")], args.calls, args.rounds)
+        return
     if args.model:
         _model_step(args)
         return
@@ -61,6 +71,40 @@ def main(argv: list[str] | None = None) -> None:
         return
     steps = run_ranks(probes.plan_check_step, world_size=2, args=(args.rounds, args.steps), timeout=1200)
     _print_steps("fused MLP step (8 x Linear(512, 512), batch 64)", args, steps)
+
+
+def _plan_sizes(sizes: list[int], calls: int, rounds: int) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from bench._lib import _torch
+    from ddp_fusion import plan_check
+    from ddp_fusion.plan import BucketPlan, PlannedBucket
+
+    dist.init_process_group("fake", store=_torch.fake_store(), rank=0, world_size=2)
+    name, cpu = dist.group.WORLD.group_name, torch.device("cpu")
+    print(f"torch {torch.__version__}, fake group of 2 (no exchange), best of {rounds} x {calls} steps")
+    print(f"{'gradients':>10}{'plan bytes':>12}{'plan ops per step, us':>24}")
+    for n in sizes:
+        grads = tuple(f"transformer.h.{i}.attn.c_attn.weight" for i in range(n))
+        text = BucketPlan("concat", (PlannedBucket(name, torch.float32, "cpu", "avg", "concat",
+                                                   grads, (1024,) * n),)).to_json()
+        h = plan_check.plan_hash(text)
+
+        def step(text: str = text, h: int = h) -> None:
+            token = plan_check.PLAN_CHECK_START(name, text, h, cpu)
+            plan_check.PLAN_DIVISOR(name, "avg", cpu)
+            plan_check.PLAN_GUARD(token, name, h, "avg", cpu)
+
+        best = float("inf")
+        for _ in range(rounds + 1):  # the first round warms up
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step()
+            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        print(f"{n:>10}{len(text):>12}{best:>24.1f}", flush=True)
+    dist.destroy_process_group()
 
 
 def _model_step(args: argparse.Namespace) -> None:

@@ -58,6 +58,8 @@ class PlanMismatchError(RuntimeError):
 _plan_hashes: dict[str, int] = {}
 _reported: set[tuple[str, int]] = set()
 _published: set[int] = set()
+# plan hash -> the plan's text, as the graphs' plan_check_start ops passed it
+_texts: dict[int, str] = {}
 # (group name, plan) -> the plan check in flight: (host group, its ticket, the exchange)
 _pending: dict[tuple[str, int], tuple[host_group.HostGroup, int, host_group.Exchange]] = {}
 
@@ -84,8 +86,8 @@ def _group(group_name: str) -> dist.ProcessGroup:
 _lib = torch.library.Library("ddp_fusion", "FRAGMENT")
 _lib.define("plan_check_start(str group_name, str plan, int plan_hash, Device device) -> Tensor",
             tags=CUDAGRAPH_UNSAFE)
-_lib.define("plan_guard(Tensor token, str group_name, str plan, int plan_hash, str reduce_op, Device device) "
-            "-> Tensor", tags=CUDAGRAPH_UNSAFE)
+_lib.define("plan_guard(Tensor token, str group_name, int plan_hash, str reduce_op, Device device) -> Tensor",
+            tags=CUDAGRAPH_UNSAFE)
 _lib.define("plan_divisor(str group_name, str reduce_op, Device device) -> Tensor", tags=CUDAGRAPH_UNSAFE)
 
 
@@ -93,9 +95,15 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
     """Start this step's cross-rank check of the group's bucket ``plan``: the max of
     (h, -h) of the plan's hash h (``plan_hash``, :func:`plan_hash` of it, computed by
     the pass) over the group's host group, in the background. Returns a token for
-    :func:`plan_guard`, which finishes the check. State is keyed by the hash: a step
-    never hashes the plan's text (O(parameters) bytes)."""
+    :func:`plan_guard`, which finishes the check.
+
+    State is keyed by the hash: a step never hashes the plan's text, which grows with
+    the number of parameters. Only this op takes the text (a graph served from
+    Inductor's cache, in a process that did not compile it, needs it here); the
+    guards find it by the hash, as the dispatcher copies a str argument twice per call
+    (16 µs a call for the 46 KB plan of 1,000 gradients)."""
     group = _group(group_name)
+    _texts.setdefault(plan_hash, plan)
     # A backward that completed waited for all of its hooks: one still in flight is
     # left by a backward that failed halfway, and must not hold this one up.
     comm_hooks.drop_in_flight()
@@ -108,12 +116,14 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
 
 
 def plan_guard(
-    token: torch.Tensor, group_name: str, plan: str, plan_hash: int, reduce_op: str, device: torch.device
+    token: torch.Tensor, group_name: str, plan_hash: int, reduce_op: str, device: torch.device
 ) -> torch.Tensor:
     """The bucket divisor for ``reduce_op`` as a 0-d float32 tensor on ``device``, after
-    the check :func:`plan_check_start` began shows that every rank of the group runs the
-    same bucket ``plan`` in this step (else :class:`PlanMismatchError` on every rank)."""
+    the check :func:`plan_check_start` began (``token``: its output) shows that every
+    rank of the group runs the same bucket plan in this step (else
+    :class:`PlanMismatchError` on every rank)."""
     group = _group(group_name)
+    plan = _texts[plan_hash]  # (the start, which this guard follows, put it there)
     if (group_name, plan_hash) not in _reported:
         _reported.add((group_name, plan_hash))
         _report_plan(group_name, plan)

@@ -94,7 +94,7 @@ def forward(self, x_1, w1_1, w2_1):
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
     div_tensor = torch.ops.aten.div.Tensor(view_default, plan_divisor_default);  view_default = plan_divisor_default = None
-    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 2860895155221077544, 'avg', device(type='cpu'));  plan_check_start_default = None
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', 2860895155221077544, 'avg', device(type='cpu'));  plan_check_start_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
     bucket0_cat = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
     bucket0_all_reduce = torch.ops.ddp_fusion.all_reduce_bucket.default(bucket0_cat, '0');  bucket0_all_reduce = None
@@ -119,7 +119,7 @@ def forward(self, x_1, w1_1, w2_1):
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     bucket0_scale = torch.ops.aten._foreach_div.Tensor([mm_1], plan_divisor_default);  mm_1 = plan_divisor_default = None
     getitem = bucket0_scale[0];  bucket0_scale = None
-    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "coalesced", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', -5147003848419962538, 'avg', device(type='cpu'));  plan_check_start_default = None
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', -5147003848419962538, 'avg', device(type='cpu'));  plan_check_start_default = None
     bucket0_scale_checked = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
     bucket0_all_reduce_coalesced = torch.ops.ddp_fusion.all_reduce_bucket_coalesced.default([getitem, bucket0_scale_checked], '0');  bucket0_all_reduce_coalesced = None
     bucket0_wait = torch.ops.ddp_fusion.wait_bucket.default([getitem, bucket0_scale_checked]);  bucket0_wait = None
@@ -146,7 +146,7 @@ def forward(self, x_1, w1_1, w2_1, grad1_1, grad2_1):
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     add_1 = torch.ops.aten.add.Tensor(grad1_1, sum_1);  sum_1 = None
-    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 2860895155221077544, 'avg', device(type='cpu'));  plan_check_start_default = None
+    plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', 2860895155221077544, 'avg', device(type='cpu'));  plan_check_start_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(add_1, plan_guard_default);  add_1 = plan_guard_default = None
     bucket0_write_1 = torch.ops.aten.copy_.default(grad1_1, div_tensor_1);  div_tensor_1 = None
     bucket0_all_reduce_in_place = torch.ops.ddp_fusion.all_reduce_in_place.default([bucket0_write, bucket0_write_1], '0', 'concat');  bucket0_all_reduce_in_place = None
@@ -361,7 +361,7 @@ class TestWhatIsFused:
         assert [len(b.grads) for b in result.buckets] == [2]
         # reduce_op "sum" on a group of 1: the guard divides by 1 at run time
         (guard,) = gm.graph.find_nodes(op="call_function", target=torch.ops.ddp_fusion.plan_guard.default)
-        assert guard.args[1] == single.group_name and guard.args[4] == "sum"
+        assert guard.args[1] == single.group_name and guard.args[3] == "sum"
         a, b = torch.randn(3), torch.randn(2, 2)
         torch.testing.assert_close(gm(a, b), (a, b))
 
@@ -835,6 +835,32 @@ def test_the_pass_rewrites_the_graph_output_a_constant_number_of_times(kept, mon
         assert ("all_reduce_in_place" in gm.code) == kept
         counts[n] = sum(rewrites)
     assert 1 <= counts[32] == counts[8], counts
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_only_the_plan_check_start_takes_the_plans_text():
+    """Issue 36: the plan's text (O(gradients) bytes) was a str argument of both plan
+    ops, which the dispatcher copies twice per call, every step (16 µs a call at 1,000
+    gradients). The guards take its hash only (finding the text by it); the start, one
+    per group per step, still takes it: a graph served from Inductor's cache needs it in
+    a process that did not compile it (docs/limits.md). Counted by the str arguments'
+    sizes at 8 and at 64 gradients."""
+
+    def str_sizes(gm, target):
+        sizes = []
+        for node in gm.graph.find_nodes(op="call_function", target=target):
+            torch.fx.node.map_aggregate((node.args, node.kwargs),
+                                        lambda a: sizes.append(len(a)) if isinstance(a, str) else a)
+        return sizes
+
+    guards, starts = {}, {}
+    for n in (8, 64):
+        gm = _gradients(n, kept=False)
+        fuse(gm, algorithm="concat")
+        guards[n] = str_sizes(gm, PLAN_GUARD)
+        starts[n] = str_sizes(gm, torch.ops.ddp_fusion.plan_check_start.default)
+    assert guards[8] and guards[8] == guards[64], guards
+    assert len(starts[64]) == 2 and starts[64][1] > starts[8][1], starts
 
 
 @pytest.mark.usefixtures("fake_pg")

@@ -4,7 +4,7 @@
     divisor = ddp_fusion.plan_divisor('0', 'avg', cpu)          # does not wait
     ...                                                         # backward compute
     g1 / divisor, ..., g(n-1) / divisor                         # fused into their kernels
-    checked = ddp_fusion.plan_guard(token, '0', '<plan>', h, 'avg', cpu)   # waits
+    checked = ddp_fusion.plan_guard(token, '0', h, 'avg', cpu)  # waits
     gn / checked                                                # the bucket's last gradient
     flat = cat([...]); all_reduce(flat)                         # concat.py / coalesced.py
 
@@ -61,7 +61,7 @@ def insert_plan_guards(make: NodeMaker, keys: list[tuple[str, str, torch.device]
                 starts[group] = make(PLAN_CHECK_START, (group, plans[group], h, device))
             guards[k] = (
                 make(PLAN_DIVISOR, (group, reduce_op, device)),
-                make(PLAN_GUARD, (starts[group], group, plans[group], h, reduce_op, device)),
+                make(PLAN_GUARD, (starts[group], group, h, reduce_op, device)),
             )
     return guards
 
