@@ -8,8 +8,9 @@ ranks: one message each way on their own TCP connection), and
 back on local gloo ranks (so nothing hides the exchange), next to the bare exchange and
 to the all-gather of one int64 per rank that the check used before, and prints
 microseconds per call (median and max over rounds of the slower rank's mean). With
-``--world-size 4`` the exchange takes two rounds instead of one (on 2 cores the four
-ranks share them: an upper bound).
+``--world-size 4`` the exchange takes two rounds instead of one, on the host group's
+thread, and the MLP step runs on 4 ranks too (on 2 cores the four ranks share them: an
+upper bound).
 
 Then, in the same run, the step time of a fused, compiled MLP (the demo's: 8 x
 Linear(512, 512), batch 64) with the check and with its exchange patched out
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{mode:<46}{statistics.median(per_round):>11.1f}{max(per_round):>9.1f}")
     if args.no_step:
         return
-    steps = run_ranks(probes.plan_check_step, world_size=2, args=(args.rounds, args.steps), timeout=1200)
+    steps = run_ranks(probes.plan_check_step, world_size=args.world_size, args=(args.rounds, args.steps),
+                      timeout=1200)
     _print_steps("fused MLP step (8 x Linear(512, 512), batch 64)", args, steps)
 
 
@@ -85,12 +87,13 @@ def _plan_sizes(sizes: list[int], calls: int, rounds: int) -> None:
     dist.init_process_group("fake", store=_torch.fake_store(), rank=0, world_size=2)
     name, cpu = dist.group.WORLD.group_name, torch.device("cpu")
     print(f"torch {torch.__version__}, fake group of 2 (no exchange), best of {rounds} x {calls} steps")
-    print(f"{'gradients':>10}{'plan bytes':>12}{'plan ops per step, us':>24}")
+    print(f"{'gradients':>10}{'plan bytes':>12}{'in the graph':>14}{'plan ops per step, us':>24}")
     for n in sizes:
         grads = tuple(f"transformer.h.{i}.attn.c_attn.weight" for i in range(n))
         text = BucketPlan("concat", (PlannedBucket(name, torch.float32, "cpu", "avg", "concat",
                                                    grads, (1024,) * n),)).to_json()
-        h = plan_check.plan_hash(text)
+        # as the graph has it
+        size, h, text = len(text), plan_check.plan_hash(text), plan_check.graph_text(text)
 
         def step(text: str = text, h: int = h) -> None:
             token = plan_check.PLAN_CHECK_START(name, text, h, cpu)
@@ -103,7 +106,7 @@ def _plan_sizes(sizes: list[int], calls: int, rounds: int) -> None:
             for _ in range(calls):
                 step()
             best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        print(f"{n:>10}{len(text):>12}{best:>24.1f}", flush=True)
+        print(f"{n:>10}{size:>12}{len(text):>14}{best:>24.1f}", flush=True)
     dist.destroy_process_group()
 
 

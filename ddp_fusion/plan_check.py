@@ -33,9 +33,11 @@ each plan the first time it is run.
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import logging
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -92,18 +94,22 @@ _lib.define("plan_divisor(str group_name, str reduce_op, Device device) -> Tenso
 
 
 def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.device) -> torch.Tensor:
-    """Start this step's cross-rank check of the group's bucket ``plan``: the max of
+    """Start this step's cross-rank check of the group's bucket plan (``plan``: as
+    :func:`graph_text` gives it): the max of
     (h, -h) of the plan's hash h (``plan_hash``, :func:`plan_hash` of it, computed by
     the pass) over the group's host group, in the background. Returns a token for
     :func:`plan_guard`, which finishes the check.
 
     State is keyed by the hash: a step never hashes the plan's text, which grows with
     the number of parameters. Only this op takes the text (a graph served from
-    Inductor's cache, in a process that did not compile it, needs it here); the
-    guards find it by the hash, as the dispatcher copies a str argument twice per call
-    (16 µs a call for the 46 KB plan of 1,000 gradients)."""
+    Inductor's cache, in a process that did not compile it, needs it here), and a long
+    one compressed (:func:`graph_text`, read once per process); the guards find it by
+    the hash. The dispatcher copies a str argument twice per call: 16 µs a call for the
+    46 KB plan of 1,000 gradients."""
     group = _group(group_name)
-    _texts.setdefault(plan_hash, plan)
+    if plan_hash not in _texts:
+        _texts[plan_hash] = from_graph_text(plan)
+    plan = _texts[plan_hash]
     # A backward that completed waited for all of its hooks: one still in flight is
     # left by a backward that failed halfway, and must not hold this one up.
     comm_hooks.drop_in_flight()
@@ -191,6 +197,28 @@ def _divisor_tensor(group: dist.ProcessGroup, reduce_op: str, device: torch.devi
 PLAN_CHECK_START = torch.ops.ddp_fusion.plan_check_start.default
 PLAN_GUARD = torch.ops.ddp_fusion.plan_guard.default
 PLAN_DIVISOR = torch.ops.ddp_fusion.plan_divisor.default
+
+
+#: Plans longer than this go into the graph compressed (:func:`graph_text`).
+GRAPH_TEXT_RAW_MAX = 4096
+_COMPRESSED = "zlib+b85:"
+
+
+def graph_text(plan: str) -> str:
+    """The plan as the graph passes it to ``plan_check_start`` each step: the JSON
+    itself (readable in graph dumps) up to :data:`GRAPH_TEXT_RAW_MAX` characters, else
+    zlib-compressed and base85-encoded (about 15x shorter: a plan's gradient names
+    repeat their prefixes)."""
+    if len(plan) <= GRAPH_TEXT_RAW_MAX:
+        return plan
+    return _COMPRESSED + base64.b85encode(zlib.compress(plan.encode(), 6)).decode("ascii")
+
+
+def from_graph_text(text: str) -> str:
+    """The plan :func:`graph_text` gave ``text`` for."""
+    if text.startswith(_COMPRESSED):
+        return zlib.decompress(base64.b85decode(text[len(_COMPRESSED):])).decode()
+    return text
 
 
 def plan_id(plan: str) -> str:

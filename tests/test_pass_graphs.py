@@ -864,6 +864,28 @@ def test_only_the_plan_check_start_takes_the_plans_text():
 
 
 @pytest.mark.usefixtures("fake_pg")
+def test_a_long_plan_goes_into_the_graph_compressed():
+    """The start's copy of a long plan is compressed (about 15x for a real model's
+    names), and the op reads the exact plan back from it, once per process; a short
+    plan stays readable JSON in the graph."""
+    from ddp_fusion import plan_check
+    from ddp_fusion.plan import BucketPlan, PlannedBucket
+
+    names = tuple(f"model.layers.{i // 7}.mlp.experts.{i % 7}.w{i % 3}.weight" for i in range(1000))
+    long = BucketPlan("concat", (PlannedBucket("0", torch.float32, "cpu", "avg", "concat", names,
+                                               (1024,) * len(names)),)).to_json()
+    short = BucketPlan("concat", (PlannedBucket("0", torch.float32, "cpu", "avg", "concat", names[:2],
+                                                (4, 4)),)).to_json()
+    assert plan_check.graph_text(short) == short
+    text = plan_check.graph_text(long)
+    assert len(text) * 10 < len(long)
+    h = plan_check.plan_hash(long)
+    plan_check._texts.pop(h, None)
+    plan_check.PLAN_CHECK_START(dist.group.WORLD.group_name, text, h, torch.device("cpu"))
+    assert plan_check._texts[h] == long
+
+
+@pytest.mark.usefixtures("fake_pg")
 def test_the_pass_runs_with_the_garbage_collector_paused(monkeypatch):
     """Python's full collections walk every live object, most of them the graph's nodes
     and fake tensors: run during the pass, they made its time grow faster than the

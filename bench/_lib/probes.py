@@ -98,7 +98,8 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str
     exchange patched out (no host group: no exchange, no comparison), alternating per
     round on the same compiled model. With the check, also per round: the share of steps
     whose exchange had finished when the guard came to collect it (the main thread busy
-    in backward meanwhile), and the median time the guard spent collecting it (us)."""
+    in backward meanwhile), and the median and mean time the guard spent collecting it
+    (us: a mean far above the median is the steps whose guard waited for a late peer)."""
     collected: list[tuple[bool, float]] = []
     outcome = plan_check.outcome
 
@@ -110,7 +111,8 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str
 
     modes = ("with check", "check patched out")
     out: dict[str, list[float]] = {m: [] for m in modes}
-    out |= {"exchange done at the guard, %": [], "guard collecting, median us": []}
+    out |= {"exchange done at the guard, %": [], "guard collecting, median us": [],
+            "guard collecting, mean us": []}
     for i in range(rounds):
         for mode in modes if i % 2 == 0 else modes[::-1]:
             patch = (unittest.mock.patch.object(plan_check, "outcome", timed_outcome)
@@ -129,6 +131,7 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str
                 done = sum(d for d, _ in collected)
                 out["exchange done at the guard, %"].append(100 * done / len(collected))
                 out["guard collecting, median us"].append(statistics.median(w for _, w in collected))
+                out["guard collecting, mean us"].append(statistics.fmean(w for _, w in collected))
     return out
 
 

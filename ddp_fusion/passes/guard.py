@@ -25,7 +25,7 @@ import torch
 import torch.fx
 
 from ..plan import BucketPlan
-from ..plan_check import PLAN_CHECK_START, PLAN_DIVISOR, PLAN_GUARD, plan_hash
+from ..plan_check import PLAN_CHECK_START, PLAN_DIVISOR, PLAN_GUARD, graph_text, plan_hash
 from ._graph import NodeMaker
 
 
@@ -58,7 +58,7 @@ def insert_plan_guards(make: NodeMaker, keys: list[tuple[str, str, torch.device]
             group, reduce_op, device = k
             h = plan_hash(plans[group])  # (the ops key their state by it, never hash the text)
             if group not in starts:
-                starts[group] = make(PLAN_CHECK_START, (group, plans[group], h, device))
+                starts[group] = make(PLAN_CHECK_START, (group, graph_text(plans[group]), h, device))
             guards[k] = (
                 make(PLAN_DIVISOR, (group, reduce_op, device)),
                 make(PLAN_GUARD, (starts[group], group, h, reduce_op, device)),
