@@ -347,8 +347,8 @@ def timeline(prof: Any) -> dict[str, Any]:
       ``(start, end, bytes)`` (bytes 0 unless shapes were recorded);
     * ``copy_out``: starts of eager DDP's copies of reduced buckets into ``.grad``;
     * ``checks``: ddp_fusion's plan-check ops on the main thread (``plan_check_start``
-      issues a small all-gather, ``plan_guard`` waits for it before the first bucket),
-      as ``(name, start, end)``;
+      starts the host-side exchange of the plan's hash, ``plan_guard`` collects it before
+      the first bucket), as ``(name, start, end)``;
     * ``gaps``: main-thread intervals with no event (idle, or blocked in C++: eager DDP
       waits for its buckets without a profiler event);
     * ``wall_ms``: the step's length.

@@ -8,8 +8,8 @@ its transfer (the backend's ``gloo:all_reduce`` span: from when gloo starts it t
 completes, which on a shaped link is mostly time on the wire) and the waits (compiled
 modes' ``wait_tensor``; eager DDP waits in C++ without an event, so its wait is the idle
 gap after its last issue while a collective is in flight). ddp_fusion's per-step plan
-check (``plan_check_start`` issues an 8-byte all-gather, ``plan_guard`` waits for it) is
-drawn apart from compute.
+check (``plan_check_start`` starts the host-side exchange of the plan's hash,
+``plan_guard`` collects it) is drawn apart from compute.
 """
 
 from __future__ import annotations
