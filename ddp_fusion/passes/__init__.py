@@ -29,7 +29,8 @@ Invariants every step keeps, checked by ``graph.lint()`` at the end:
 Cost is linear in the number of nodes: one walk to find, one to plan, one re-sort, one
 to place waits. Python's cyclic garbage collector is paused while the pass runs: its
 full collections walk every live object, most of them the graph's nodes and fake
-tensors, and would make the pass's time grow faster than the graph.
+tensors (measured: 15-27 % of the chain-shaped concat pass's median time at 3,200 gradients;
+bench/results/pass_time_cpu_2026-11-26.md).
 """
 
 from __future__ import annotations
