@@ -59,12 +59,15 @@ import concurrent.futures
 import datetime
 import functools
 import ipaddress
+import json
 import os
 import pickle
 import queue
 import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -75,7 +78,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _torch
+from . import _relay, _torch
 
 NEUTRAL = -(1 << 63)
 """What a rank that takes no part in a :meth:`HostGroup.max` sends: int64's minimum."""
@@ -91,6 +94,10 @@ REPORT_TIMEOUT_S = 30.0
 #: Seconds the ranks of a new host group have to connect, once every rank has made its
 #: end (at most the group's timeout).
 CONNECT_TIMEOUT_S = 10.0
+
+#: Seconds a rank waits for its exchange relay beyond the group's timeout: the relay
+#: times a silent peer out after the timeout, and its reason must reach the rank first.
+RELAY_GRACE_S = 2.0
 
 #: Seconds ``destroy_process_group`` waits for the threads of the host groups it ends.
 END_WAIT_S = 2.0
@@ -126,7 +133,9 @@ class HostGroup:
         self._ended: str | None = None
         connect_s = min(CONNECT_TIMEOUT_S, self.timeout.total_seconds())
         pg = self._make(connect_s)
-        self._pair: PairChannel | None = None  # a group of two's max exchanges (max_async)
+        # max_async's channel: to the peer (two ranks) or to this rank's relay (more)
+        self._channel: PairChannel | None = None
+        self._relay: subprocess.Popen | None = None
         # The thread holds the only lasting reference to the gloo group: when it stops,
         # the group (its sockets, its threads) goes.
         self._thread = threading.Thread(
@@ -138,7 +147,9 @@ class HostGroup:
         try:
             self._connect(connect_s)
             if self.size == 2:
-                self._pair = self._pair_channel(connect_s)
+                self._channel = self._pair_channel(connect_s)
+            elif self.size > 2:
+                self._channel = self._relay_channel(connect_s)
         except BaseException:
             self.end("it could not connect")
             raise
@@ -200,7 +211,7 @@ class HostGroup:
         names the group to the other; within ``connect_s``, else :class:`HostGroupError`
         on both ranks."""
         store = _torch.distributed.default_store()
-        key, hello = f"{self.prefix}/pair", self.prefix.encode()
+        key, hello = f"{self.prefix}/pair", self.prefix
         deadline = time.monotonic() + connect_s
         try:
             if self.rank == 0:
@@ -213,8 +224,8 @@ class HostGroup:
                 store.wait([key], datetime.timedelta(seconds=connect_s))
                 host, port = store.get(key).decode().rsplit("|", 1)
                 sock = socket.create_connection((host, int(port)), timeout=connect_s)
-                sock.sendall(_FRAME.pack(len(hello)) + hello)
-                if _read_hello(sock, deadline) != hello:
+                _relay.send_text(sock, hello)
+                if _relay.read_text(sock, deadline) != hello:
                     raise ConnectionError(f"{host}:{port} answered for another group")
         except Exception as e:  # noqa: BLE001 - named in the error every rank raises
             raise HostGroupError(self._cannot(
@@ -223,6 +234,40 @@ class HostGroup:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (a few bytes: now)
         peer = f"group rank {1 - self.rank} of process group {self.group_name!r}"
         return PairChannel(sock, self.timeout, peer)
+
+    def _relay_channel(self, connect_s: float) -> PairChannel:
+        """The channel to this rank's exchange relay (``_relay.py``: a process of its
+        own that runs a larger group's rounds without this process's GIL), started and
+        connected to its peers' relays within ``connect_s``, else
+        :class:`HostGroupError`."""
+        store = _torch.distributed.default_store()
+        deadline = time.monotonic() + connect_s
+        try:
+            self._relay, ctrl, where = start_relay(self.rank, self.size, _listen_address(),
+                                                   self.timeout.total_seconds(), self.prefix, deadline)
+        except Exception as e:  # noqa: BLE001 - named in the error
+            raise HostGroupError(self._cannot(
+                f"group rank {self.rank} ({_where()}) could not start its exchange relay "
+                f"({type(e).__name__}: {e})")) from e
+        try:
+            store.set(f"{self.prefix}/relay/{self.rank}", where)
+            peers = _peers(self.rank, self.size)
+            keys = [f"{self.prefix}/relay/{q}" for q in peers]
+            store.wait(keys, datetime.timedelta(seconds=max(1e-3, deadline - time.monotonic())))
+            connect_relay(ctrl, {q: store.get(k).decode() for q, k in zip(peers, keys)},
+                          max(1e-3, deadline - time.monotonic()))
+            answer = _relay.read_text(ctrl, deadline + 1.0)
+            if answer != "ok":
+                raise ConnectionError(answer)
+        except Exception as e:  # noqa: BLE001 - named in the error every rank raises
+            ctrl.close()
+            self._relay.kill()
+            raise HostGroupError(self._cannot(
+                f"group rank {self.rank} ({_where()}) could not connect its exchange relay to the "
+                f"relays of group ranks {_ranges(sorted(_peers(self.rank, self.size)))} "
+                f"({type(e).__name__}: {e})")) from e
+        return PairChannel(ctrl, self.timeout + datetime.timedelta(seconds=RELAY_GRACE_S),
+                           f"the exchange relay of group rank {self.rank} (process {self._relay.pid})")
 
     def _cannot(self, what: str) -> str:
         return (
@@ -245,11 +290,16 @@ class HostGroup:
         with self._lock:
             if self._ended is None:
                 self._ended = why
-                if self._pair is not None:
-                    self._pair.close()
+                if self._channel is not None:
+                    self._channel.close()  # (the relay exits when it sees its end close)
                 self._jobs.put(None)
         if wait_s > 0 and threading.current_thread() is not self._thread:
             self._thread.join(wait_s)
+        if self._relay is not None:
+            try:
+                self._relay.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                pass  # (still closing: subprocess reaps it later)
 
     def ranks(self, ranks: Sequence[int]) -> str:
         """Group ranks as a user reads them: ``0-3, 7``, with their global ranks
@@ -289,10 +339,10 @@ class HostGroup:
         while the main thread runs backward). Larger groups run their rounds on the
         thread."""
         mine = np.array(values, dtype=np.int64)
-        if self._pair is not None:
+        if self._channel is not None:
             with self._lock:
                 self._check_open()
-                return self._pair.post(mine)
+                return self._channel.post(mine)
         return self._submit(lambda pg: self._max(pg, mine, self.timeout))
 
     def max(self, values: Sequence[int]) -> list[int]:
@@ -398,6 +448,7 @@ class PairChannel:
         self._posted = self._read = 0
         self._buf = bytearray()  # received, not yet a whole message
         self._early: dict[int, tuple[int, ...]] = {}  # the peer's values read before their turn
+        self._failed: str | None = None  # why the other end failed (a relay's ERROR frame)
 
     def post(self, mine: np.ndarray) -> PairMax:
         """Send this rank's ``mine`` (int64) and return the exchange, to collect later."""
@@ -435,6 +486,8 @@ class PairChannel:
 
     def _receive(self) -> bool:
         """Read what has arrived, without waiting; whether anything had."""
+        if self._failed is not None:
+            raise ConnectionError(self._failed)
         if self._sock.fileno() < 0:
             raise ConnectionError(f"the connection to {self._peer} was closed here: its host group has ended")
         try:
@@ -451,6 +504,15 @@ class PairChannel:
         at = 0
         while len(buf) - at >= _FRAME.size:
             (count,) = _FRAME.unpack_from(buf, at)
+            if count == _relay.ERROR:  # (a relay's: a text follows, then it exits)
+                if len(buf) - at >= 2 * _FRAME.size:
+                    (n,) = _FRAME.unpack_from(buf, at + _FRAME.size)
+                    start = at + 2 * _FRAME.size
+                    if len(buf) >= start + n:
+                        text = bytes(buf[start:start + n]).decode(errors="replace")
+                        self._failed = f"{self._peer} failed: {text}"
+                        raise ConnectionError(self._failed)
+                break
             end = at + _FRAME.size + 8 * count
             if len(buf) < end:
                 break
@@ -473,7 +535,7 @@ class PairChannel:
 
 
 #: A :class:`PairChannel` message's header: the number of int64 values that follow.
-_FRAME = struct.Struct("<I")
+_FRAME = _relay.FRAME
 
 
 class PairMax:
@@ -503,6 +565,37 @@ class PairMax:
 Exchange = concurrent.futures.Future | PairMax
 
 
+def start_relay(rank: int, size: int, host: str, timeout_s: float, name: str,
+                deadline: float) -> tuple[subprocess.Popen, socket.socket, str]:
+    """Start group rank ``rank``'s exchange relay (``_relay.py``), listening on
+    ``host``: its process, this end of the socket pair to it, and where it listens
+    (``host|port``), which it says by ``deadline`` (``time.monotonic``)."""
+    mine, theirs = socket.socketpair()
+    try:
+        relay = subprocess.Popen(
+            [sys.executable, "-I", _relay.__file__, str(theirs.fileno()), str(rank), str(size), host,
+             repr(timeout_s), name],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
+    try:
+        return relay, mine, _relay.read_text(mine, deadline)
+    except BaseException:
+        relay.kill()
+        mine.close()
+        raise
+
+
+def connect_relay(ctrl: socket.socket, addresses: dict[int, str], connect_s: float) -> None:
+    """Tell a relay where its peers' relays listen (group rank -> ``host|port``); it
+    connects within ``connect_s`` and then says ``ok`` (or an error) on ``ctrl``."""
+    _relay.send_text(ctrl, json.dumps({"peers": {str(q): a for q, a in addresses.items()},
+                                       "connect_s": connect_s}))
+
+
 def _described(describe: Callable[[dict[int, str]], str], payloads: dict[int, str]) -> str:
     try:
         return describe(payloads)
@@ -510,13 +603,7 @@ def _described(describe: Callable[[dict[int, str]], str], payloads: dict[int, st
         return f"(describing it failed: {type(e).__name__}: {e})"
 
 
-def _peers(rank: int, size: int) -> list[int]:
-    """The group ranks :meth:`HostGroup.max` exchanges with, from ``rank``."""
-    p = 1 << (size.bit_length() - 1)
-    if rank >= p:
-        return [rank - p]
-    folded = [rank + p] if rank + p < size else []
-    return folded + [rank ^ (1 << i) for i in range(p.bit_length() - 1)]
+_peers = _relay.peers
 
 
 def _where() -> str:
@@ -560,30 +647,15 @@ def _listen_address() -> str:
     return "127.0.0.1"
 
 
-def _read_hello(sock: socket.socket, deadline: float) -> bytes:
-    """A peer's first message on a :class:`PairChannel`: the name it was made for."""
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            sock.settimeout(max(1e-3, deadline - time.monotonic()))
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError("the peer closed the connection")
-            data += chunk
-        return data
-    (n,) = _FRAME.unpack(exactly(_FRAME.size))
-    return exactly(n) if n <= 4096 else b""
-
-
-def _accept_peer(server: socket.socket, hello: bytes, deadline: float) -> socket.socket:
+def _accept_peer(server: socket.socket, hello: str, deadline: float) -> socket.socket:
     """The first connection to ``server`` that names ``hello``, answered with it (a
     stray one is closed); TimeoutError at ``deadline``."""
     while True:
         server.settimeout(max(1e-3, deadline - time.monotonic()))
         sock, _ = server.accept()
         try:
-            if _read_hello(sock, deadline) == hello:
-                sock.sendall(_FRAME.pack(len(hello)) + hello)
+            if _relay.read_text(sock, deadline) == hello:
+                _relay.send_text(sock, hello)
                 return sock
         except OSError:
             pass

@@ -137,3 +137,113 @@ def test_a_pair_exchange_collected_after_its_host_group_ended_says_so(pair):
     mine.close()
     with pytest.raises(ConnectionError, match="was closed here: its host group has ended"):
         exchange.result()
+
+
+def _relays(size, timeout_s=5.0):
+    """The channels to ``size`` connected exchange relays (one process, as the ranks of
+    a group of ``size`` would make them), and the relays' processes."""
+    import time
+
+    deadline = time.monotonic() + 10
+    started = [host_group.start_relay(r, size, "127.0.0.1", timeout_s, "test/relay", deadline)
+               for r in range(size)]
+    where = {r: w for r, (_, _, w) in enumerate(started)}
+    for r, (_, ctrl, _) in enumerate(started):
+        host_group.connect_relay(ctrl, {q: where[q] for q in host_group._peers(r, size)}, 10)
+    for _, ctrl, _ in started:
+        assert __import__("ddp_fusion._relay")._relay.read_text(ctrl, deadline) == "ok"
+    grace = datetime.timedelta(seconds=timeout_s + host_group.RELAY_GRACE_S)
+    channels = [host_group.PairChannel(ctrl, grace, f"relay {r}")
+                for r, (_, ctrl, _) in enumerate(started)]
+    return channels, [proc for proc, _, _ in started]
+
+
+@pytest.fixture
+def relays5():
+    channels, procs = _relays(5)
+    yield channels, procs
+    _ended(channels, procs)
+
+
+def test_relays_give_every_rank_the_max_while_this_process_holds_the_gil(relays5):
+    """Five ranks (one folded into rank 0): every rank gets the element-wise max, also
+    of exchanges collected out of order; and the rounds run while this process's main
+    thread spins in Python with the switch interval at 10 s, so no other thread of this
+    process could run: they need no Python here."""
+    import sys
+    import time
+
+    import numpy as np
+
+    channels, _ = relays5
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    try:
+        firsts = [c.post(np.array([r, -r])) for r, c in enumerate(channels)]
+        seconds = [c.post(np.array([10 * r % 7, 0, -r])) for r, c in enumerate(channels)]
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end and not all(e.done() for e in seconds):
+            sum(range(1000))  # (Python, holding the GIL)
+        done = [e.done() for e in firsts + seconds]
+    finally:
+        sys.setswitchinterval(interval)
+    assert all(done), done
+    assert [e.result() for e in seconds] == [[6, 0, 0]] * 5
+    assert [e.result() for e in firsts] == [[4, 0]] * 5
+
+
+def test_relays_whose_ranks_ask_for_different_exchanges_fail_on_every_rank(relays5):
+    import numpy as np
+
+    channels, procs = relays5
+    exchanges = [c.post(np.array([1, 2] if r != 3 else [1, 2, 3])) for r, c in enumerate(channels)]
+    for exchange in exchanges:
+        with pytest.raises(ConnectionError, match="failed: exchange 0: .*asked for different exchanges"):
+            exchange.result()
+    assert all(proc.wait(timeout=5) == 0 for proc in procs)  # (a relay exits after a failure)
+
+
+def _ended(channels, procs):
+    for channel, proc in zip(channels, procs):
+        channel.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_relay_exchange_fails_in_time_when_a_peer_never_comes():
+    import time
+
+    import numpy as np
+
+    channels, procs = _relays(3, timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        exchange = channels[0].post(np.array([1, -1]))  # (ranks 1 and 2 never post)
+        with pytest.raises(ConnectionError,
+                           match="relay 0 failed: exchange 0: group rank 2 sent nothing within 0.5 s"):
+            exchange.result()
+        assert time.monotonic() - start < 3
+    finally:
+        _ended(channels, procs)
+
+
+def test_a_relay_exchange_fails_at_once_on_every_rank_when_a_peer_has_ended():
+    """Rank 2's relay ends (its rank closed the channel): the others' exchange fails at
+    once, not after the 60 s timeout, with the same reason on both."""
+    import time
+
+    import numpy as np
+
+    channels, procs = _relays(3, timeout_s=60)
+    try:
+        channels[2].close()
+        assert procs[2].wait(timeout=5) == 0
+        start = time.monotonic()
+        exchanges = [channels[r].post(np.array([r])) for r in (0, 1)]
+        for r, exchange in zip((0, 1), exchanges):
+            with pytest.raises(ConnectionError, match=f"relay {r} failed: exchange 0: group rank 2's relay "
+                                                      r"closed the connection \(its process ended\)"):
+                exchange.result()
+        assert time.monotonic() - start < 3
+    finally:
+        _ended(channels, procs)
