@@ -22,14 +22,20 @@ tensors, which the host reads directly (through numpy, never ``Tensor.item``):
   (one ``multi_get``) and writes the description, which every rank then reads. O(1)
   store operations per rank but rank 0's.
 
-Every exchange runs on the group's own thread in the order it was asked for, which is
-the same on every rank, so a caller can start one and collect it later (the plan check
-starts at the beginning of backward and waits where the first bucket is issued); but a
-max over two ranks is one message each way on a TCP connection of the pair's own
-(:class:`PairChannel`): sent by the caller, carried by the kernel, read when collected,
-with no thread and no Python in between, so it never waits for this process's GIL while
-the main thread runs backward. A peer that never comes fails the exchange after the
-model group's timeout; one whose process ended fails it at once.
+Exchanges run in the order they were asked for, which is the same on every rank, so a
+caller can start one and collect it later (the plan check starts at the beginning of
+backward and waits where the first bucket is issued). The max never runs on a thread of
+this process, whose Python would need the GIL between rounds while the main thread runs
+backward (each round would then wait up to Python's switch interval, 5 ms). Over two
+ranks it is one message each way on a TCP connection of the pair's own
+(:class:`PairChannel`): sent by the caller, carried by the kernel, read when collected.
+Over more, each rank has an *exchange relay* (``_relay.py``), a small process of its
+own (standard library only) connected to its peers' relays: the caller sends its values
+to it and reads the max back, on the same kind of channel, and the relays run the rounds
+with their own interpreters. A peer that never comes fails the exchange after the model
+group's timeout; one whose process ended fails it at once; a failed exchange fails on
+every rank with the same reason (the relays pass it on), and ends the relays. Other
+exchanges (the broadcast, the connection check) run on the gloo group's thread.
 
 The gloo group is made over the default store, under a prefix named after the model's
 group, and connects lazily, each rank only to the peers it exchanges with (``O(log N)``
@@ -332,12 +338,11 @@ class HostGroup:
 
     def max_async(self, values: Sequence[int]) -> Exchange:
         """Start the element-wise max of ``values`` (int64) over the ranks; its
-        ``.result()`` is a list of ints. Two ranks exchange one message
-        each way on their own TCP connection (:class:`PairChannel`), sent here and
-        carried by the kernel: no Python runs between them, so the exchange never waits
-        for this process's GIL (which the host group's thread would need between rounds
-        while the main thread runs backward). Larger groups run their rounds on the
-        thread."""
+        ``.result()`` is a list of ints. Two ranks exchange one message each way on
+        their own TCP connection (:class:`PairChannel`); more send theirs to their
+        exchange relay, which runs the rounds in a process of its own. Either way no
+        Python of this process runs between posting and collecting, so the exchange
+        never waits for this process's GIL."""
         mine = np.array(values, dtype=np.int64)
         if self._channel is not None:
             with self._lock:
@@ -428,7 +433,9 @@ class HostGroup:
 
 class PairChannel:
     """The max exchanges of a group of two ranks: one TCP connection between them, which
-    the kernel carries. Posting an exchange is one ``send`` of this rank's values;
+    the kernel carries (and, for a larger group, the socket pair to this rank's exchange
+    relay, whose answer is the max itself, or an error frame with the reason the
+    exchange failed). Posting an exchange is one ``send`` of this rank's values;
     collecting it reads the peer's, which have usually arrived long before (they sit in
     the socket's buffer: one ``recv``). No thread, no Python and no GIL between the two;
     gloo's own point-to-point messages, tried first, took 0.1-5 ms to post on a busy

@@ -27,7 +27,22 @@ def _resources() -> dict:
         "python_threads": names,
         "other_threads": len(os.listdir("/proc/self/task")) - len(names),
         "files": len(os.listdir("/proc/self/fd")),
+        "children": _children(),
     }
+
+
+def _children() -> int:
+    """Processes whose parent is this one (a host group of more than two ranks starts
+    an exchange relay), zombies included."""
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        n += ppid == os.getpid()
+    return n
 
 
 def _round(rank, world_size, init_file, flag, compiled, steps=3):
@@ -59,11 +74,12 @@ def _round(rank, world_size, init_file, flag, compiled, steps=3):
         del model, opt
     diff = max((a - b).abs().max().item() for a, b in zip(*(n.parameters() for n in nets)))
     del nets, net
+    during = _children()
     if compiled:
         torch._dynamo.reset()
     dist.destroy_process_group()
     gc.collect()
-    return {**_resources(), "diff": diff}
+    return {**_resources(), "diff": diff, "children_before_destroy": during}
 
 
 def regroup(rank, world_size, tmpdir, compiled, rounds=3):

@@ -1,5 +1,5 @@
-"""ddp_fusion's host groups (2 gloo ranks; a host group is a thread, a gloo group and its
-sockets, per rank and process group):
+"""ddp_fusion's host groups (2 and 3 gloo ranks; a host group is a thread, a gloo group
+and its sockets, per rank and process group, and an exchange relay beyond two ranks):
 
 * a process group destroyed and made again in the same process (a new
   ``init_process_group``, an in-process restart) takes its host group with it: after
@@ -15,7 +15,10 @@ from ddp_fusion.launch import run_ranks
 from _workers_host_group import cannot_connect, regroup
 
 
-def _check(results):
+def _check(results, relays=0):
+    """Each round with the flag on trained as eager DDP did and left what the round with
+    it off left; ``relays``: the exchange relays each rank ran until its group was
+    destroyed (none remain after)."""
     for rounds in results:
         off, *on = rounds
         for r in on:
@@ -23,12 +26,20 @@ def _check(results):
             assert not [t for t in r["python_threads"] if t.startswith("ddp_fusion")], rounds
             # torch may start a thread of its own once (tqdm's monitor): count the rest
             assert (r["files"], r["other_threads"]) == (off["files"], off["other_threads"]), rounds
+            if relays:
+                assert (r["children_before_destroy"], r["children"]) == (relays, 0), rounds
         assert all(r == on[0] for r in on), rounds
 
 
 def test_host_groups_end_with_their_process_group(tmp_path):
     """ddp_fusion's wrapper, uncompiled (each host group is made at construction)."""
     _check(run_ranks(regroup, world_size=2, args=(str(tmp_path), False), timeout=300))
+
+
+def test_host_groups_of_three_ranks_end_with_their_process_group_and_their_relays(tmp_path):
+    """Three ranks (rank 2 folded into rank 0's exchanges): the settings check runs
+    through each rank's exchange relay, which ends with the group."""
+    _check(run_ranks(regroup, world_size=3, args=(str(tmp_path), False), timeout=300), relays=1)
 
 
 @pytest.mark.slow

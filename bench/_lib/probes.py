@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 import unittest.mock
@@ -51,6 +52,7 @@ def plan_check_calls(rank: int, world_size: int, calls: int, rounds: int) -> dic
         "host group max of 2 int64 (the exchange now)": lambda: host.max([rank, -rank]),
         "plan_check_start + plan_guard, back to back": lambda: plan_check.PLAN_GUARD(
             plan_check.PLAN_CHECK_START(name, text, h, cpu), name, h, "avg", cpu),
+        "max started, GIL held 2 ms, collected": lambda: _busy_then_collect(host, rank, 0.002),
     }
     for fn in modes.values():  # warm up
         _time(fn, 50)
@@ -59,6 +61,19 @@ def plan_check_calls(rank: int, world_size: int, calls: int, rounds: int) -> dic
         for m, fn in modes.items():
             out[m].append(_time(fn, calls))
     return out
+
+
+def _busy_then_collect(host: host_group.HostGroup, rank: int, busy_s: float) -> None:
+    """Start the host group's max, hold the GIL for ``busy_s`` (libc's ``usleep`` through
+    ``ctypes.PyDLL``, which keeps the GIL: a main thread launching backward holds it so,
+    without the CPU that spinning would take from the other ranks on a small host), then
+    collect it: whatever of the exchange needs this process's GIL waits for the collect."""
+    exchange = host.max_async([rank, -rank])
+    _LIBC.usleep(int(busy_s * 1e6))
+    exchange.result()
+
+
+_LIBC = ctypes.PyDLL(None)  # (PyDLL: its calls keep the GIL)
 
 
 def _demo_mlp(width: int = 512, depth: int = 8) -> nn.Module:
