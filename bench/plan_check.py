@@ -2,15 +2,16 @@
 
 Each fused backward graph has one plan check per process group: ``plan_check_start``
 at graph start starts the max of (h, -h) of the plan's hash over the host group
-(ddp_fusion/host_group.py: gloo, CPU tensors, recursive doubling on its own thread; two
-ranks: one message each way on their own TCP connection), and
+(ddp_fusion/host_group.py: recursive doubling in each rank's exchange relay, a process
+of its own; two ranks: one message each way on their own TCP connection), and
 ``plan_guard``, before the group's first bucket, collects it. This times the pair back to
 back on local gloo ranks (so nothing hides the exchange), next to the bare exchange and
 to the all-gather of one int64 per rank that the check used before, and prints
-microseconds per call (median and max over rounds of the slower rank's mean). With
-``--world-size 4`` the exchange takes two rounds instead of one, on the host group's
-thread, and the MLP step runs on 4 ranks too (on 2 cores the four ranks share them: an
-upper bound).
+microseconds per call (median and max over rounds of the slower rank's mean), and the
+exchange started, the GIL held 2 ms (as a host launching backward holds it), then
+collected: what of it needed this process's GIL waits past the 2 ms. With
+``--world-size 4`` the exchange takes two rounds instead of one, in the relays, and the
+MLP step runs on 4 ranks too (on 2 cores the four ranks share them: an upper bound).
 
 Then, in the same run, the step time of a fused, compiled MLP (the demo's: 8 x
 Linear(512, 512), batch 64) with the check and with its exchange patched out
