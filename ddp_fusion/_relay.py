@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import select
+import signal
 import socket
 import struct
 import sys
@@ -273,6 +274,9 @@ def _take_frame(buf: bytearray) -> list[int] | None:
 def main(argv: list[str]) -> int:
     fd, rank, size, host, timeout_s, name = (
         int(argv[1]), int(argv[2]), int(argv[3]), argv[4], float(argv[5]), argv[6])
+    # Ctrl-C reaches the whole process group: the rank handles it, and the relay ends
+    # when the rank's end closes (no traceback of its own on the terminal).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctrl = socket.socket(fileno=fd)
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

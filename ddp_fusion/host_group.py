@@ -55,7 +55,8 @@ A host group ends with its process group: when ``destroy_process_group`` unregis
 the group (c10d's unregister functions are wrapped, through ``_torch.patching``, while
 any host group exists), when the group is garbage, or when a new group of the same name
 takes its place. Its thread stops after the exchanges already asked for, and the gloo
-group (its sockets and threads) goes with it; using it after that raises
+group (its sockets and threads) goes with it, as do its relays (each sees its rank's end
+close and exits); using it after that raises
 :class:`HostGroupError`.
 """
 
