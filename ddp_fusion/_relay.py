@@ -31,6 +31,7 @@ middle of an exchange.
 from __future__ import annotations
 
 import json
+import os
 import select
 import signal
 import socket
@@ -44,6 +45,8 @@ FRAME = struct.Struct("<I")
 ERROR = 0xFFFFFFFF
 #: The longest text a set-up message may carry.
 TEXT_MAX = 1 << 16
+#: Seconds between a waiting relay's checks that its rank's process is still there.
+_PARENT_CHECK_S = 1.0
 
 
 def peers(rank: int, size: int) -> list[int]:
@@ -55,6 +58,22 @@ def peers(rank: int, size: int) -> list[int]:
         return [rank - p]
     folded = [rank + p] if rank + p < size else []
     return folded + [rank ^ (1 << i) for i in range(p.bit_length() - 1)]
+
+
+def ready(reading: list[socket.socket], writing: list[socket.socket],
+          timeout: float | None) -> tuple[set[socket.socket], set[socket.socket]]:
+    """The sockets of ``reading`` with something to read and of ``writing`` with room to
+    write (either, if closed or failed), waited for up to ``timeout`` seconds (None:
+    without end). ``poll``, not ``select``: a busy process's descriptors pass 1024."""
+    poller = select.poll()
+    for sock in reading:
+        poller.register(sock, select.POLLIN)
+    for sock in writing:
+        poller.register(sock, select.POLLOUT | (select.POLLIN if sock in reading else 0))
+    events = dict(poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1)))
+    done = select.POLLHUP | select.POLLERR | select.POLLNVAL
+    return ({s for s in reading if events.get(s.fileno(), 0) & (select.POLLIN | done)},
+            {s for s in writing if events.get(s.fileno(), 0) & (select.POLLOUT | done)})
 
 
 def send_text(sock: socket.socket, text: str) -> None:
@@ -92,19 +111,30 @@ class _Relay:
         self.conns: dict[int, socket.socket] = {}
         self.bufs: dict[int, bytearray] = {}
         self.requests = bytearray()  # from the rank, not yet taken
+        self.parent = os.getppid()
+        self.partial: set[int] = set()  # peers sent part of a frame (an ERROR must not follow)
 
     # -- set-up ------------------------------------------------------------------
     def connect(self, server: socket.socket, addresses: dict[int, str], deadline: float) -> None:
         hello = f"{self.name}|{self.rank}"
         for q in sorted(q for q in addresses if q < self.rank):
             host, port = addresses[q].rsplit("|", 1)
-            sock = socket.create_connection((host, int(port)), timeout=max(1e-3, deadline - time.monotonic()))
+            try:
+                left = max(1e-3, deadline - time.monotonic())
+                sock = socket.create_connection((host, int(port)), timeout=left)
+            except OSError as e:
+                raise ConnectionError(f"could not connect to the relay of group rank {q} at {host}:{port} "
+                                      f"({type(e).__name__}: {e})") from e
             send_text(sock, hello)
             self._add(q, sock)
         waiting = {q for q in addresses if q > self.rank}
         while waiting:
             server.settimeout(max(1e-3, deadline - time.monotonic()))
-            sock, _ = server.accept()
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                raise TimeoutError(f"no connection from the relays of group ranks "
+                                   f"{', '.join(map(str, sorted(waiting)))} in time") from None
             try:
                 name, q = read_text(sock, deadline).rsplit("|", 1)
                 if name == self.name and int(q) in waiting:
@@ -132,9 +162,10 @@ class _Relay:
                 raise
             except Exception as e:  # noqa: BLE001 - told to the peers and the rank, which raises it
                 reason = str(e)
-                for sock in self.conns.values():  # (so that every rank hears the same reason)
+                for q, sock in self.conns.items():  # (so that every rank hears the same reason)
                     try:
-                        sock.send(FRAME.pack(ERROR) + _text_frame(reason))
+                        if q not in self.partial:
+                            sock.send(FRAME.pack(ERROR) + _text_frame(reason))
                     except OSError:
                         pass
                 self._reply(FRAME.pack(ERROR) + _text_frame(f"exchange {seq}: {reason}"))
@@ -148,8 +179,15 @@ class _Relay:
             got = _take_frame(self.requests)
             if got is not None:
                 return got
-            select.select([self.ctrl], [], [])
-            self._read_ctrl()
+            if ready([self.ctrl], [], _PARENT_CHECK_S)[0]:
+                self._read_ctrl()
+            self._check_parent()
+
+    def _check_parent(self) -> None:
+        """End if the rank's process has gone (a process it forked may still hold the
+        rank's end of the socket pair open)."""
+        if os.getppid() != self.parent:
+            raise _EndedError
 
     def _read_ctrl(self) -> None:
         try:
@@ -191,14 +229,19 @@ class _Relay:
     def _send(self, q: int, values: list[int], deadline: float) -> None:
         frame = memoryview(FRAME.pack(len(values)) + struct.pack(f"<{len(values)}q", *values))
         sock = self.conns[q]
+        self.partial.add(q)
         while frame:
             try:
                 frame = frame[sock.send(frame):]
             except BlockingIOError:
+                # The peer sends to us at the same time: read its frame meanwhile, or
+                # neither of us could finish a frame longer than the sockets' buffers.
                 self._wait(q, deadline, writing=True)
+                self._read_peer(q)
             except OSError as e:
                 raise ConnectionError(f"could not send to group rank {q}'s relay: its process ended "
                                       f"({type(e).__name__}: {e})") from e
+        self.partial.discard(q)
 
     def _recv(self, q: int, count: int, deadline: float) -> list[int]:
         buf = self.bufs[q]
@@ -212,30 +255,38 @@ class _Relay:
                     raise ValueError(f"the ranks asked for different exchanges ({count} values on group "
                                      f"rank {self.rank}, {len(got)} on group rank {q})")
                 return got
-            try:
-                data = self.conns[q].recv(1 << 16)
-            except BlockingIOError:
+            if not self._read_peer(q):
                 self._wait(q, deadline, writing=False)
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                raise ConnectionError(f"group rank {q}'s relay closed the connection (its process ended)")
-            buf += data
+
+    def _read_peer(self, q: int) -> bool:
+        """Read what peer ``q`` has sent, without waiting; whether anything had."""
+        try:
+            data = self.conns[q].recv(1 << 20)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            raise ConnectionError(f"group rank {q}'s relay closed the connection (its process ended)")
+        self.bufs[q] += data
+        return True
 
     def _wait(self, q: int, deadline: float, writing: bool) -> None:
-        """Until peer ``q``'s socket is ready; ends the relay if the rank closes its end
-        meanwhile, raises TimeoutError at ``deadline``."""
+        """Until peer ``q``'s socket has something to read (or, ``writing``, room to
+        write or something to read); ends the relay if the rank closes its end meanwhile,
+        raises TimeoutError at ``deadline``."""
         sock = self.conns[q]
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"group rank {q} sent nothing within {self.timeout_s:g} s (it died, or "
-                                   "is stuck before this exchange)")
-            readable, writable, _ = select.select([self.ctrl] + ([] if writing else [sock]),
-                                                  [sock] if writing else [], [], left)
+                what = "read nothing" if writing else "sent nothing"
+                raise TimeoutError(f"group rank {q} {what} within {self.timeout_s:g} s (it died, or is "
+                                   "stuck before this exchange)")
+            readable, writable = ready([self.ctrl, sock], [sock] if writing else [],
+                                       min(left, _PARENT_CHECK_S))
             if self.ctrl in readable:
                 self._read_ctrl()
+            self._check_parent()
             if sock in readable or sock in writable:
                 return
 
@@ -292,8 +343,8 @@ def main(argv: list[str]) -> int:
                 return 1
         send_text(ctrl, "ok")
         relay.serve()
-    except (_EndedError, ConnectionError, json.JSONDecodeError):
-        pass  # (the rank has gone, or ended the host group)
+    except (_EndedError, OSError, json.JSONDecodeError):
+        pass  # (the rank has gone, or ended the host group; OSError: ConnectionError, TimeoutError)
     return 0
 
 

@@ -70,7 +70,6 @@ import json
 import os
 import pickle
 import queue
-import select
 import socket
 import struct
 import subprocess
@@ -248,31 +247,49 @@ class HostGroup:
         connected to its peers' relays within ``connect_s``, else
         :class:`HostGroupError`."""
         store = _torch.distributed.default_store()
+        base = f"{self.prefix}/relay"
         deadline = time.monotonic() + connect_s
+        peers = _peers(self.rank, self.size)
+        ctrl: socket.socket | None = None
+        failed: str | None = None
         try:
-            self._relay, ctrl, where = start_relay(self.rank, self.size, _listen_address(),
-                                                   self.timeout.total_seconds(), self.prefix, deadline)
-        except Exception as e:  # noqa: BLE001 - named in the error
-            raise HostGroupError(self._cannot(
-                f"group rank {self.rank} ({_where()}) could not start its exchange relay "
-                f"({type(e).__name__}: {e})")) from e
-        try:
-            store.set(f"{self.prefix}/relay/{self.rank}", where)
-            peers = _peers(self.rank, self.size)
-            keys = [f"{self.prefix}/relay/{q}" for q in peers]
-            store.wait(keys, datetime.timedelta(seconds=max(1e-3, deadline - time.monotonic())))
-            connect_relay(ctrl, {q: store.get(k).decode() for q, k in zip(peers, keys)},
-                          max(1e-3, deadline - time.monotonic()))
-            answer = _relay.read_text(ctrl, deadline + 1.0)
-            if answer != "ok":
-                raise ConnectionError(answer)
-        except Exception as e:  # noqa: BLE001 - named in the error every rank raises
-            ctrl.close()
-            self._relay.kill()
-            raise HostGroupError(self._cannot(
-                f"group rank {self.rank} ({_where()}) could not connect its exchange relay to the "
-                f"relays of group ranks {_ranges(sorted(_peers(self.rank, self.size)))} "
-                f"({type(e).__name__}: {e})")) from e
+            try:
+                self._relay, ctrl, where = start_relay(self.rank, self.size, _listen_address(),
+                                                       self.timeout.total_seconds(), self.prefix, deadline)
+                store.set(f"{base}/{self.rank}", where)
+                keys = [f"{base}/{q}" for q in peers]
+                store.wait(keys, datetime.timedelta(seconds=max(1e-3, deadline - time.monotonic())))
+                connect_relay(ctrl, {q: store.get(k).decode() for q, k in zip(peers, keys)},
+                              max(1e-3, deadline - time.monotonic()))
+                answer = _relay.read_text(ctrl, deadline + 1.0)
+                failed = None if answer == "ok" else answer
+            except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+                failed = f"{type(e).__name__}: {e}"
+            # Every rank hears of the first rank's failure (the cause; the others' may
+            # follow from it): a relay that connected may have peers whose others failed.
+            if failed is not None:
+                store.compare_set(f"{base}/failed", "", (
+                    f"group rank {self.rank} ({_where()}) could not start its exchange relay or "
+                    f"connect it to the relays of group ranks {_ranges(sorted(peers))}: {failed}"))
+            if store.add(f"{base}/arrived", 1) == self.size:
+                store.set(f"{base}/all", "1")
+            try:
+                left = max(1e-3, deadline + 2.0 - time.monotonic())
+                store.wait([f"{base}/all"], datetime.timedelta(seconds=left))
+            except Exception as e:
+                arrived = store.add(f"{base}/arrived", 0)
+                raise HostGroupError(self._cannot(
+                    f"only {arrived} of the {self.size} ranks' exchange relays were set up in time "
+                    f"(group rank {self.rank}'s: {failed or 'connected'})")) from e
+            if store.check([f"{base}/failed"]):
+                raise HostGroupError(self._cannot(store.get(f"{base}/failed").decode()))
+        except BaseException:
+            if ctrl is not None:
+                ctrl.close()
+            if self._relay is not None:
+                self._relay.kill()
+                self._relay.wait()
+            raise
         return PairChannel(ctrl, self.timeout + datetime.timedelta(seconds=RELAY_GRACE_S),
                            f"the exchange relay of group rank {self.rank} (process {self._relay.pid})")
 
@@ -305,8 +322,8 @@ class HostGroup:
         if self._relay is not None:
             try:
                 self._relay.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                pass  # (still closing: subprocess reaps it later)
+            except subprocess.TimeoutExpired:  # (still closing: reaped when it has)
+                threading.Thread(target=self._relay.wait, name="ddp_fusion relay reaper", daemon=True).start()
 
     def ranks(self, ranks: Sequence[int]) -> str:
         """Group ranks as a user reads them: ``0-3, 7``, with their global ranks
@@ -449,6 +466,7 @@ class PairChannel:
     is a ``select`` bounded by the group's timeout (or the caller's)."""
 
     def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> None:
+        _channels.add(self)
         sock.setblocking(False)
         self._sock, self._peer = sock, peer
         self._timeout = timeout
@@ -472,6 +490,13 @@ class PairChannel:
                         deadline = deadline or time.monotonic() + self._timeout.total_seconds()
                         self._wait(deadline, writing=True)
             except OSError as e:  # (TimeoutError too)
+                with self._recv_lock:  # a relay that failed said why before it ended
+                    try:
+                        self._receive()
+                    except ConnectionError:
+                        pass
+                if self._failed is not None:
+                    raise ConnectionError(self._failed) from e
                 raise ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
                                       f"or the connection broke ({type(e).__name__}: {e})") from e
         return PairMax(self, seq, mine.tolist())
@@ -533,7 +558,7 @@ class PairChannel:
     def _wait(self, deadline: float, writing: bool) -> None:
         left = deadline - time.monotonic()
         reading, sending = ([], [self._sock]) if writing else ([self._sock], [])
-        ready = left > 0 and any(select.select(reading, sending, [], left))
+        ready = left > 0 and any(_relay.ready(reading, sending, left))
         if not ready:
             what = "read nothing" if writing else "sent nothing"
             raise TimeoutError(f"{self._peer} {what} in time (it died, or is stuck before this exchange)")
@@ -544,6 +569,20 @@ class PairChannel:
 
 #: A :class:`PairChannel` message's header: the number of int64 values that follow.
 _FRAME = _relay.FRAME
+
+#: Every open :class:`PairChannel` of this process.
+_channels: weakref.WeakSet[PairChannel] = weakref.WeakSet()
+
+
+def _close_channels_in_child() -> None:
+    """A forked child (a DataLoader worker) closes its copies of the channels' sockets,
+    so that a peer or relay still sees this process's end close when the host group
+    ends or the process does (the child cannot use them anyway)."""
+    for channel in list(_channels):
+        channel.close()
+
+
+os.register_at_fork(after_in_child=_close_channels_in_child)
 
 
 class PairMax:

@@ -247,3 +247,121 @@ def test_a_relay_exchange_fails_at_once_on_every_rank_when_a_peer_has_ended():
         assert time.monotonic() - start < 3
     finally:
         _ended(channels, procs)
+
+
+def test_a_relay_that_failed_says_why_also_to_the_next_post(relays5):
+    import numpy as np
+
+    channels, procs = relays5
+    exchanges = [c.post(np.array([1, 2] if r != 3 else [1, 2, 3])) for r, c in enumerate(channels)]
+    for exchange in exchanges:
+        with pytest.raises(ConnectionError, match="asked for different exchanges"):
+            exchange.result()
+    assert all(proc.wait(timeout=5) == 0 for proc in procs)
+    with pytest.raises(ConnectionError, match="relay 0 failed: exchange 0: .*asked for different exchanges"):
+        channels[0].post(np.array([1, 2]))
+
+
+def test_relays_exchange_more_than_their_sockets_hold():
+    """A million values (8 MB) each way: both peers of a round send at once, so each
+    must read while it writes."""
+    import numpy as np
+
+    channels, procs = _relays(4, timeout_s=60)
+    try:
+        n = 1_000_000
+        exchanges = [c.post(np.full(n, r, dtype=np.int64)) for r, c in enumerate(channels)]
+        assert all(e.result()[::100_000] == [3] * 10 for e in exchanges)
+    finally:
+        _ended(channels, procs)
+
+
+def test_relays_work_with_descriptors_past_1024():
+    """A busy training process has more than 1024 files open: ``select`` cannot wait
+    on such descriptors (the relay gets the rank's descriptor number)."""
+    import resource
+
+    import numpy as np
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1300), hard))
+    held = []
+    try:
+        while not held or held[-1].fileno() < 1100:
+            held.append(open("/dev/null"))  # noqa: SIM115 - held open on purpose
+        channels, procs = _relays(3)
+        try:
+            assert channels[0]._sock.fileno() > 1024
+            exchanges = [c.post(np.array([r])) for r, c in enumerate(channels)]
+            assert [e.result() for e in exchanges] == [[2]] * 3
+        finally:
+            _ended(channels, procs)
+    finally:
+        for f in held:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_relays_end_with_their_channels_while_a_forked_child_lives():
+    """A forked child (a DataLoader worker) closes its copies of the channels: the
+    relays see the rank's end close when the rank closes it, not when the child exits."""
+    import os
+    import time
+    import warnings
+
+    channels, procs = _relays(3)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (fork with threads: the child only sleeps)
+            pid = os.fork()
+        if pid == 0:
+            time.sleep(10)
+            os._exit(0)
+        for channel in channels:
+            channel.close()
+        assert [proc.wait(timeout=5) for proc in procs] == [0, 0, 0]
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        _ended(channels, procs)
+
+
+def test_relay_set_up_fails_on_every_rank_naming_the_rank_that_failed(monkeypatch):
+    """Group rank 2 of 3 cannot start its relay: every rank raises, naming it, within
+    the connection time, including rank 1, whose own relay connected."""
+    import threading
+    import time
+
+    store = dist.HashStore()
+    monkeypatch.setattr(_torch.distributed, "default_store", lambda: store)
+    started = host_group.start_relay
+
+    def start_relay(rank, *args):
+        if rank == 2:
+            raise OSError("no such file: python")
+        return started(rank, *args)
+
+    monkeypatch.setattr(host_group, "start_relay", start_relay)
+    errors = {}
+
+    def rank(r):
+        host = object.__new__(HostGroup)
+        host.group_name, host.rank, host.size = "0", r, 3
+        host.global_ranks, host.prefix = [0, 1, 2], "test/setup"
+        host.timeout, host._relay = datetime.timedelta(seconds=30), None
+        try:
+            host._relay_channel(2.0)
+        except host_group.HostGroupError as e:
+            errors[r] = str(e)
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(errors) == [0, 1, 2], errors
+    assert all("group rank 2 (" in e and "no such file: python" in e for e in errors.values()), errors
+    assert time.monotonic() - start < 10
