@@ -35,7 +35,9 @@ to it and reads the max back, on the same kind of channel, and the relays run th
 with their own interpreters. A peer that never comes fails the exchange after the model
 group's timeout; one whose process ended fails it at once; a failed exchange fails on
 every rank with the same reason (the relays pass it on), and ends the relays. Other
-exchanges (the broadcast, the connection check) run on the gloo group's thread.
+exchanges (the broadcast, the connection check) run on the gloo group's thread. The
+relays are set up with the host group, collectively: a rank whose relay cannot start or
+connect says so in the store, and every rank raises :class:`HostGroupError` naming it.
 
 The gloo group is made over the default store, under a prefix named after the model's
 group, and connects lazily, each rank only to the peers it exchanges with (``O(log N)``
@@ -56,8 +58,9 @@ the group (c10d's unregister functions are wrapped, through ``_torch.patching``,
 any host group exists), when the group is garbage, or when a new group of the same name
 takes its place. Its thread stops after the exchanges already asked for, and the gloo
 group (its sockets and threads) goes with it, as do its relays (each sees its rank's end
-close and exits); using it after that raises
-:class:`HostGroupError`.
+close and exits; a process forked from the rank, a DataLoader worker, closes its
+copies of the channels at once, and a relay whose rank's process has gone exits too);
+using it after that raises :class:`HostGroupError`.
 """
 
 from __future__ import annotations
