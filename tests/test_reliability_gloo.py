@@ -1,5 +1,5 @@
 """Ranks that would issue different collectives get a clear error on every rank, never
-a hang (2 gloo ranks)."""
+a hang (2 gloo ranks; 3 where the exchange relays are the subject)."""
 
 import re
 
@@ -56,3 +56,15 @@ def test_dead_peer_raises_within_process_group_timeout(compiled):
     assert kind == "builtins.RuntimeError", (kind, message)
     assert PEER_GONE.search(message), message
     assert seconds < 20 + 10, (kind, seconds, message)
+
+
+def test_dead_peer_of_three_raises_on_both_survivors_naming_it():
+    """Three ranks, compiled: the plan check's exchange runs in the ranks' relays; rank 1
+    leaves after the forward, and both survivors' backwards raise at once (the relays
+    pass the reason on), naming group rank 1. About 25 s on 2 cores."""
+    results = run_ranks(peer_dies_mid_step, world_size=3, args=(True,), timeout=600, pg_timeout=20)
+    for rank in (0, 2):
+        kind, seconds, message = results[rank]
+        assert kind == "builtins.RuntimeError", (rank, kind, message)
+        assert "group rank 1's relay closed the connection (its process ended)" in message, (rank, message)
+        assert seconds < 10, (rank, seconds, message)
