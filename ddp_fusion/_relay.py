@@ -246,7 +246,7 @@ class _Relay:
     def _recv(self, q: int, count: int, deadline: float) -> list[int]:
         buf = self.bufs[q]
         while True:
-            failed = _take_error(buf)
+            failed = take_error(buf)
             if failed is not None:
                 raise _PeerFailedError(failed)
             got = _take_frame(buf)
@@ -296,7 +296,7 @@ def _text_frame(text: str) -> bytes:
     return FRAME.pack(len(data)) + data
 
 
-def _take_error(buf: bytearray) -> str | None:
+def take_error(buf: bytearray) -> str | None:
     """The reason of an :data:`ERROR` frame at the start of ``buf``, if a whole one is
     there."""
     if len(buf) < 2 * FRAME.size or FRAME.unpack_from(buf)[0] != ERROR:
@@ -313,7 +313,7 @@ def _take_frame(buf: bytearray) -> list[int] | None:
         return None
     (count,) = FRAME.unpack_from(buf)
     if count == ERROR:
-        return None  # (:func:`_take_error`'s)
+        return None  # (:func:`take_error`'s)
     end = FRAME.size + 8 * count
     if len(buf) < end:
         return None

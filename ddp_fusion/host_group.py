@@ -466,7 +466,7 @@ class PairChannel:
     were posted, which is the same on both ranks; one collected out of order waits here
     until its own comes. A count that differs from this rank's means the ranks asked for
     different exchanges: :class:`HostGroupError`. The socket does not block: every wait
-    is a ``select`` bounded by the group's timeout (or the caller's)."""
+    is a ``poll`` bounded by the group's timeout (or the caller's)."""
 
     def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> None:
         _channels.add(self)
@@ -541,13 +541,10 @@ class PairChannel:
         while len(buf) - at >= _FRAME.size:
             (count,) = _FRAME.unpack_from(buf, at)
             if count == _relay.ERROR:  # (a relay's: a text follows, then it exits)
-                if len(buf) - at >= 2 * _FRAME.size:
-                    (n,) = _FRAME.unpack_from(buf, at + _FRAME.size)
-                    start = at + 2 * _FRAME.size
-                    if len(buf) >= start + n:
-                        text = bytes(buf[start:start + n]).decode(errors="replace")
-                        self._failed = f"{self._peer} failed: {text}"
-                        raise ConnectionError(self._failed)
+                text = _relay.take_error(buf[at:])
+                if text is not None:
+                    self._failed = f"{self._peer} failed: {text}"
+                    raise ConnectionError(self._failed)
                 break
             end = at + _FRAME.size + 8 * count
             if len(buf) < end:
