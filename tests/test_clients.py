@@ -35,7 +35,8 @@ def _torchrun(script, mode, out, *extra):
     [
         "torchrun_ddp.py",
         pytest.param("accelerate_ddp.py", id="accelerate"),
-        pytest.param("fabric_ddp.py", id="lightning-fabric"),
+        # slow: Lightning runs in CI through its Trainer (comm hooks, below)
+        pytest.param("fabric_ddp.py", id="lightning-fabric", marks=pytest.mark.slow),
     ],
 )
 def test_client_trains_fused_as_with_eager_ddp(script, tmp_path):

@@ -3,6 +3,8 @@ functional all-reduces): ddp_fusion over the DP sub-mesh trains like eager torch
 the DP group, and the pass leaves every TP all-reduce in place, with fixed caps and with
 ``bucket_cap_mb="auto"``."""
 
+import pytest
+
 from ddp_fusion.launch import run_ranks
 
 from _workers import dp_tp_compare, dtensor_tp_compare
@@ -25,6 +27,7 @@ def test_dp_tp_matches_eager_ddp_and_keeps_tp_collectives(tmp_path):
     assert results[1]["auto"]["limits"] == results[3]["auto"]["limits"]
 
 
+@pytest.mark.slow  # CI: the fused DTensor test below (this one's eager reducer is torch's own path)
 def test_dtensor_tp_with_compiled_forward_and_eager_reducer():
     """DTensor tensor parallelism: torch.compile with config.enabled off (compiled
     forward and backward, gradients through the eager bucketed reducer) matches one full

@@ -97,6 +97,7 @@ def test_compiled_fused_torchft_ddp_matches_uncompiled(tmp_path):
     assert _max_diff(fused[0][1], fused[1][1]) == 0.0  # the replicas agree exactly
 
 
+@pytest.mark.slow  # 50 s on 2 cores; CI runs the fused torchft test above
 def test_killed_replica_step_is_discarded_and_the_restarted_one_heals(tmp_path):
     lighthouse = _lighthouse()
     try:
