@@ -87,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one GPU, world size 1 with NCCL (measures fusion overhead, "
                              "not communication)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="CPU ranks per job instead of the model's 2 (pure data-parallel "
+                             "models). 1: no peer, so no rank skew and no wire: the modes' host "
+                             "cost alone")
     parser.add_argument("--modes", default=None,
                         help=f"comma-separated subset of: {','.join(all_modes())}")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
@@ -118,6 +122,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
             parser.error("--model mlp_tp needs 4 ranks; on one GPU NCCL runs world size 1")
         if args.link:
             parser.error("--link shapes the loopback between gloo ranks on CPU; not with --device cuda")
+    if args.world_size is not None:
+        if args.device == "cuda" or args.link or args.world_size < 1:
+            parser.error("--world-size: a positive number of CPU ranks, without --device cuda or --link")
+        named = MODEL_SETS.get(args.model, [args.model]) if args.model else MODEL_SETS["all"]
+        tp = [m for m in named if MODELS[m].tp > 1]
+        if tp:
+            parser.error(f"--world-size: {tp[0]} has its own layout (DP x TP); name a pure "
+                         "data-parallel --model")
     if args.link and args.sweep:
         parser.error("--link runs one cap per job; not with --sweep")
     known = all_modes()
@@ -148,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     device = args.device if args.device == "cpu" else torch.cuda.get_device_name()
     meta = {**provenance(argv), "device": device,
-            "world_size": sorted({world_size(m, args.device) for m in models}),
+            "world_size": sorted({world_size(m, args.device, args.world_size) for m in models}),
             "backend": "nccl" if args.device == "cuda" else "gloo", "threads_per_rank": 1,
             "rounds": rounds, "timed_steps_per_round": steps, "warmup_steps": args.warmup,
             "layout": "one RankPool per job, kept alive; jobs compiled one after another, then timed "
@@ -178,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     merged: dict[str, dict[str, Any]] = {}
     for model in models:
         model_jobs = jobs.make_jobs(model, modes, caps, args.device, args.zero_grad == "none",
-                                    args.pg_timeout)
+                                    args.pg_timeout, args.world_size)
         print(f"\n{model}: {MODELS[model].desc} -- compiling {len(model_jobs)} jobs one after another, "
               "then timing them round-robin", flush=True)
         merged.update(jobs.run_jobs(model_jobs, rounds, steps, args.warmup))
@@ -209,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         png = out_path("step_time_sweep.png")
         report.plot_sweep(merged, models, caps, png, lambda m: (
-            f"{m} ({world_size(m, args.device)} ranks, {args.device}, torch {torch.__version__})"))
+            f"{m} ({world_size(m, args.device, args.world_size)} ranks, {args.device}, "
+            f"torch {torch.__version__})"))
         print(f"wrote {png}")
 
 

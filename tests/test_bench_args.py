@@ -47,10 +47,14 @@ def test_a_gpu_only_mode_is_refused_on_the_cpu_by_name(capsys):
     assert "upstream_overlap_scheduling runs on a GPU only" in err and "--device cuda" in err
 
 
-def test_world_sizes():
+def test_world_sizes(capsys):
     assert world_size("mlp", "cpu") == 2
     assert world_size("mlp_tp", "cpu") == 4
     assert world_size("gpt", "cuda") == 1
+    assert world_size("hf_gpt2", "cpu", 1) == 1  # --world-size 1: host cost without a peer
+    with pytest.raises(SystemExit):
+        _main("--model", "mlp_tp", "--world-size", "1")
+    assert "mlp_tp has its own layout" in capsys.readouterr().err
 
 
 def test_dp_x_tp_model_holds_tp_shards():

@@ -29,13 +29,14 @@ class Job:
     """One (model, mode, cap) on its own rank processes."""
 
     def __init__(self, model: str, mode: str, cap: float | None, device: str = "cpu",
-                 set_to_none: bool = True, pg_timeout: float = 900.0, graph_caches: bool = False) -> None:
+                 set_to_none: bool = True, pg_timeout: float = 900.0, graph_caches: bool = False,
+                 ranks: int | None = None) -> None:
         self.model, self.mode, self.cap, self.device = model, mode, cap, device
         self.graph_caches = graph_caches
         self.set_to_none = set_to_none
         self.key = f"{model}|{mode}|{cap}"
         self.label = mode if cap is None else f"{mode}@{cap:g}"
-        self.world_size = models.world_size(model, device)
+        self.world_size = models.world_size(model, device, ranks)
         self.pool = RankPool(self.world_size, threads_per_rank=1, pg_timeout=pg_timeout,
                              backend="nccl" if device == "cuda" else "gloo")
         self.started = False
@@ -76,11 +77,11 @@ class Job:
 
 
 def make_jobs(model: str, modes: list[str], caps: list[float | None], device: str = "cpu",
-              set_to_none: bool = True, pg_timeout: float = 900.0) -> list[Job]:
+              set_to_none: bool = True, pg_timeout: float = 900.0, ranks: int | None = None) -> list[Job]:
     """A job per (mode, cap); floors (cap-independent) once, at the default cap."""
     specs = [(m, cap) for cap in caps for m in modes if m not in FLOORS]
     specs += [(m, None) for m in FLOORS if m in modes]
-    return [Job(model, m, cap, device, set_to_none, pg_timeout) for m, cap in specs]
+    return [Job(model, m, cap, device, set_to_none, pg_timeout, ranks=ranks) for m, cap in specs]
 
 
 class Log:

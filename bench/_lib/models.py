@@ -302,9 +302,12 @@ TP_BATCH = 64
 HOST_BATCH, HOST_WIDTH, HOST_DEPTH = 8, 64, 100
 
 
-def world_size(model: str, device: str = "cpu") -> int:
-    """Ranks per job: the model's (2, or 4 for DP x TP) on CPU; 1 on the one GPU."""
-    return 1 if device == "cuda" else MODELS[model].world_size
+def world_size(model: str, device: str = "cpu", ranks: int | None = None) -> int:
+    """Ranks per job: ``ranks`` if given (CPU); else the model's (2, or 4 for DP x TP) on
+    CPU; 1 on the one GPU."""
+    if device == "cuda":
+        return 1
+    return ranks or MODELS[model].world_size
 
 
 def dp_tp_groups(name: str) -> tuple[Any, Any]:
