@@ -25,14 +25,10 @@ from _workers_models import real_model
 
 pytest.importorskip("transformers")
 
-SLOW = pytest.mark.slow
+pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param("gpt2", marks=SLOW), pytest.param("bert", marks=SLOW), pytest.param("llama", marks=SLOW),
-     pytest.param("vit", marks=SLOW), pytest.param("resnet", marks=SLOW)],
-)
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "vit", "resnet"])
 def test_real_model_trains_fused_as_eager_ddp(name):
     results = run_ranks(real_model, world_size=2, args=(name,), timeout=1200)
     for r in results:
