@@ -39,12 +39,10 @@ def _model(width: int, depth: int) -> torch.nn.Module:
 def _collectives(step) -> int:
     """All-reduces the process groups ran during ``step()``, as c10d's flight recorder
     saw them (every collective, eager or compiled, on any thread; prints nothing)."""
-    before = max((i for i, _, _ in _torch.distributed.collectives_recorded()), default=-1)
+    seen: set = set()
+    _torch.distributed.collectives_since(seen)
     step()
-    return sum(
-        1 for i, name, _ in _torch.distributed.collectives_recorded()
-        if i > before and name.endswith(":all_reduce")
-    )
+    return sum(name.endswith(":all_reduce") for name, _ in _torch.distributed.collectives_since(seen))
 
 
 MODES = ("eager_reducer", "unfused", "fused")

@@ -241,14 +241,13 @@ def reduce_overhead(rank, world_size, device_type):
     torch._dynamo.reset()
     counters.clear()
     group = dist.group.WORLD.group_name
-    seen = {r for r, _, _ in _torch.distributed.collectives_recorded()}
+    seen: set = set()
+    _torch.distributed.collectives_since(seen)
     per_step = []
 
     def count_step():
-        new = [(r, name) for r, name, pg in _torch.distributed.collectives_recorded()
-               if r not in seen and pg == group]
-        seen.update(r for r, _ in new)
-        per_step.append(sum("all_reduce" in name for _, name in new))
+        new = _torch.distributed.collectives_since(seen)
+        per_step.append(sum("all_reduce" in name for name, pg in new if pg == group))
 
     net = copy.deepcopy(base)
     with ddp_fusion.config.patch(enabled=True, backward_compile_kwargs={"mode": "reduce-overhead"}):

@@ -77,13 +77,13 @@ def steady_steps(rank, world_size, steps):
                     stack.enter_context(ddp.join(divide_by_initial_world_size=False))
                     for _ in range(2):  # the prelude's first steps
                         step()
-                before = max((i for i, _, _ in _torch.distributed.collectives_recorded()), default=-1)
+                seen: set = set()
+                _torch.distributed.collectives_since(seen)
                 with count_host_reads() as reads:
                     for _ in range(steps):
                         step()
                 out[f"{label}reads"] = reads
-                out[f"{label}collectives"] = [(name, group) for i, name, group
-                                              in _torch.distributed.collectives_recorded() if i > before]
+                out[f"{label}collectives"] = _torch.distributed.collectives_since(seen)
     return out
 
 

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ddp_fusion
 from bench._lib import _torch
-from bench._lib.record import nbytes
+from bench._lib.record import event_dtypes, nbytes
 
 COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
 # Main-thread events of a collective's issue and of a blocking wait; nested issue ops
@@ -81,12 +81,12 @@ def measure_step(step: Any, device: str) -> dict[str, Any]:
     for e in prof.events():
         if e.name.startswith(COLLECTIVE_PREFIXES):
             out["collectives"][e.name] = out["collectives"].get(e.name, 0) + 1
-            out["bytes_reduced"] += nbytes(e.input_shapes, e.input_dtypes)
+            out["bytes_reduced"] += nbytes(e.input_shapes, event_dtypes(e))
         elif e.name in ("aten::copy_", "aten::cat") and not (
                 e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
             # copy_(dst, src) writes dst; cat writes the output it allocates (the
             # profiler records no shapes for a tensor list)
-            out["copy_bytes"] += (nbytes(e.input_shapes[:1], e.input_dtypes[:1]) if e.name == "aten::copy_"
+            out["copy_bytes"] += (nbytes(e.input_shapes[:1], event_dtypes(e)) if e.name == "aten::copy_"
                                   else e.cpu_memory_usage + e.device_memory_usage)
     live = peak = 0
     if device == "cpu":  # the raw events list every allocation and free in order

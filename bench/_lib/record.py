@@ -108,9 +108,18 @@ ITEMSIZE = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8, "long i
             "int": 4, "bool": 1}
 
 
-def nbytes(shapes: list, dtypes: list) -> int:
+def event_dtypes(event: Any) -> list | None:
+    """A profiler event's input dtype names, or None where this torch's
+    ``FunctionEvent`` has none (2.11)."""
+    return getattr(event, "input_dtypes", None)
+
+
+def nbytes(shapes: list, dtypes: list | None) -> float:
     """Bytes of the tensors a profiler event lists (shapes and dtype names); inputs
-    without a shape or of another kind count 0."""
+    without a shape or of another kind count 0. NaN where the profiler gives no dtypes
+    (torch 2.11's ``FunctionEvent`` has no ``input_dtypes``): unknown, not guessed."""
+    if dtypes is None:
+        return math.nan
     return sum(math.prod(shape) * ITEMSIZE[dtype]
                for shape, dtype in zip(shapes, dtypes) if shape and dtype in ITEMSIZE)
 

@@ -13,7 +13,7 @@ from torch.profiler import profile
 import ddp_fusion
 from bench._lib import _torch
 from bench._lib.models import MLP
-from bench._lib.record import nbytes
+from bench._lib.record import event_dtypes, nbytes
 
 
 @torch.compiler.disable
@@ -95,7 +95,7 @@ def count_step(rank: int, world_size: int, name: str, mode: str, cap_mb: float,
     for e in prof.events():
         if e.name.startswith("gloo:"):
             collectives[e.name] = collectives.get(e.name, 0) + 1
-            sent += nbytes(e.input_shapes, e.input_dtypes)
+            sent += nbytes(e.input_shapes, event_dtypes(e))
     params = sum(1 for p in net.parameters())
     return {
         "collectives": collectives,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 from typing import Any
 
 import torch
@@ -176,10 +176,12 @@ def detach_cpp_reducer(ddp: Any) -> None:
     ddp.reducer, ddp.logger = reducer, logger  # (the reducer keeps the placeholder)
 
 
-def ignored_names(ddp: Any) -> set[str]:
+def ignored_names(ddp: Any) -> AbstractSet[str]:
     """Parameter and buffer names DDP was told to ignore
-    (``_set_params_and_buffers_to_ignore_for_model``)."""
-    return set(ddp.parameters_to_ignore)
+    (``_set_params_and_buffers_to_ignore_for_model``): DDP's own set, not a copy (for
+    membership tests; the forward reads it, and torch 2.11's Dynamo fails to trace
+    ``set()`` of it)."""
+    return ddp.parameters_to_ignore
 
 
 def move_inputs(ddp: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -218,20 +218,38 @@ def flight_recorder_on() -> bool:
     return os.environ.get(FLIGHT_RECORDER_ENV, "0").strip() not in ("", "0")
 
 
-def collectives_recorded() -> list[tuple[int, str, str]]:
-    """``(record id, profiling name, process group name)`` of the collectives c10d's
-    flight recorder holds
-    (the last ``TORCH_FR_BUFFER_SIZE`` this process issued, on any process group and
-    thread, eager or from a compiled graph; gloo names an all-reduce
-    ``"gloo:all_reduce"``, coalesced or not), oldest first. Record ids grow by one per
-    collective. The recorder must have been on (``TORCH_FR_BUFFER_SIZE`` > 0) when the
-    process groups were created: reading it otherwise aborts the process, so this
-    raises ``RuntimeError`` instead."""
+def collectives_recorded() -> list[tuple[tuple[str, int], str, str]]:
+    """``(key, profiling name, process group name)`` of the collectives c10d's flight
+    recorders hold (the last ``TORCH_FR_BUFFER_SIZE`` this process issued, on any
+    process group and thread, eager or from a compiled graph; gloo names an all-reduce
+    ``"gloo:all_reduce"``, coalesced or not, NCCL ``"nccl:all_reduce"``), oldest first
+    within each recorder. NCCL keeps its own recorder beside the one of the other
+    backends: ``key`` is ``(recorder, record id)``, unique in the process (ids grow by
+    one per collective within a recorder); take the collectives of a span as the keys
+    not seen before it. The recorder must have been on (``TORCH_FR_BUFFER_SIZE`` > 0)
+    when the process groups were created: reading it otherwise aborts the process, so
+    this raises ``RuntimeError`` instead."""
     if not flight_recorder_on():
         raise RuntimeError(
             f"c10d's flight recorder is off: set {FLIGHT_RECORDER_ENV} before the process "
             "groups are created"
         )
-    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-    return [(e["record_id"], e["profiling_name"], e.get("process_group", ("?",))[0])
-            for e in trace.get("entries", [])]
+    dumps = [("c10d", torch._C._distributed_c10d._dump_fr_trace)]
+    nccl = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)  # CUDA builds only
+    if nccl is not None:
+        dumps.append(("nccl", nccl))
+    out = []
+    for recorder, dump in dumps:
+        trace = pickle.loads(dump())
+        out += [((recorder, e["record_id"]), e["profiling_name"], e.get("process_group", ("?",))[0])
+                for e in trace.get("entries", [])]
+    return out
+
+
+def collectives_since(seen: set[tuple[str, int]]) -> list[tuple[str, str]]:
+    """``(profiling name, process group name)`` of the recorded collectives whose keys
+    are not in ``seen`` (:func:`collectives_recorded`), oldest first per recorder; adds
+    their keys to ``seen``. Start with ``seen = set(); collectives_since(seen)``."""
+    new = [(key, name, pg) for key, name, pg in collectives_recorded() if key not in seen]
+    seen.update(key for key, _, _ in new)
+    return [(name, pg) for _, name, pg in new]
