@@ -93,7 +93,11 @@ def prelude(sync: Joining, joinable: Any, buffers: list[torch.Tensor] | None) ->
         sync.broadcast(buffers, _find_common_rank(group, sync.device, True))
     syncs = torch.is_grad_enabled() and state.require_backward_grad_sync
     fused = state.compiled and config.enabled  # else the eager reducer's buckets
-    flags = torch.tensor([1.0, float(syncs), float(fused)], device=sync.device)
+    # filled on the device: torch.tensor([...], device=) would copy from pageable host
+    # memory, which on a GPU blocks the host until the device's queue reaches the copy
+    flags = torch.ones(3, device=sync.device)
+    flags[1].fill_(float(syncs))
+    flags[2].fill_(float(fused))
     dist.all_reduce(flags, group=group)
     # the ranks still training, as a 0-d tensor on the device: the divisor, never read
     # on the host (on a GPU that would stall the host in every step, which torch DDP's

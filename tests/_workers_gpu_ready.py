@@ -33,7 +33,8 @@ class Net(nn.Module):
 
 @contextlib.contextmanager
 def count_host_reads():
-    """Counts, by method, calls of :data:`HOST_READS` on any tensor inside the block."""
+    """Counts, by method, calls of :data:`HOST_READS` on any tensor inside the block,
+    and of ``torch.tensor`` / ``torch.as_tensor`` given a ``device``."""
     counts: dict[str, int] = {}
     patches = []
     for name in HOST_READS:
@@ -44,6 +45,17 @@ def count_host_reads():
             return _original(self, *args, **kwargs)
 
         patches.append(unittest.mock.patch.object(torch.Tensor, name, counted))
+    # a tensor made from host data on a given device: on a GPU, a copy from pageable
+    # host memory that blocks the host until the device's queue reaches it
+    for name in ("tensor", "as_tensor"):
+        original = getattr(torch, name)
+
+        def made(data, *args, _name=name, _original=original, **kwargs):
+            if kwargs.get("device") is not None:
+                counts[f"torch.{_name}"] = counts.get(f"torch.{_name}", 0) + 1
+            return _original(data, *args, **kwargs)
+
+        patches.append(unittest.mock.patch.object(torch, name, made))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)

@@ -2,9 +2,12 @@
 
 * a steady step of a compiled, fused model, inside ``join()`` too, reads no tensor
   value on the host (on a GPU each read is a device sync: the host loses its run-ahead
-  in the middle of backward), and issues on the model's process group exactly its buckets' all-reduces: the
-  per-step plan check runs on the host group (host_group.py), not as an all-gather of
-  one value per rank on the model's group (O(N) hops in a ring);
+  in the middle of backward), makes no tensor from host data on a device
+  (``torch.tensor(..., device=)``: on a GPU a copy from pageable memory that blocks the
+  host the same way; join()'s prelude did, found by the GPU suite), and issues on the
+  model's process group exactly its buckets' all-reduces: the per-step plan check runs
+  on the host group (host_group.py), not as an all-gather of one value per rank on the
+  model's group (O(N) hops in a ring);
 * every tensor ddp_fusion hands to a collective is on the model's device: with
   ``torch.set_default_device("meta")`` a factory that forgot ``device=`` makes a meta
   tensor where, on a GPU, it would make a CPU tensor that NCCL refuses.
