@@ -81,7 +81,7 @@ def refuse_arguments(arguments: dict[str, Any]) -> None:
 
 def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -> None:
     """Right after torch's constructor: reduce ``ddp``'s gradients with ddp_fusion."""
-    ignored = _torch.ddp.ignored_names(ddp)
+    ignored = set(_torch.ddp.ignored_names(ddp))  # fixed with the parameters it filters
     module = ddp.module
     params = [
         (n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored
