@@ -65,9 +65,11 @@ def count_host_reads():
 def steady_steps(rank, world_size, steps):
     """A compiled, fused model after its first steps: per steady step (forward,
     backward, SGD step), the host reads of tensor values, and the collectives c10d's
-    flight recorder saw, by process group; then the same inside ``join()`` (with
-    ``divide_by_initial_world_size=False``: the divisor is the count of ranks still
-    training, all of them here), under ``"join_reads"`` and ``"join_collectives"``."""
+    flight recorder saw, by process group; then the same with ``.grad``s kept
+    (``zero_grad(set_to_none=False)``), under ``"kept_reads"`` and ``"kept_collectives"``;
+    then, still kept, inside ``join()`` (with ``divide_by_initial_world_size=False``: the
+    divisor is the count of ranks still training, all of them here), under
+    ``"join_reads"`` and ``"join_collectives"``."""
     torch._dynamo.reset()
     with ddp_fusion.config.patch(enabled=True):
         ddp = ddp_fusion.DistributedDataParallel(Net(), bucket_cap_mb=0.002)  # 2 buckets
@@ -75,19 +77,26 @@ def steady_steps(rank, world_size, steps):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(rank)
 
+        set_to_none = True
+
         def step():
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             model(torch.randn(8, 32, generator=gen)).square().mean().backward()
             opt.step()
 
         for _ in range(3):  # compile, learn, settle
             step()
         out = {"group": ddp.process_group.group_name}
-        for label in ("", "join_"):
+        # (kept before join: a join context's prelude stays on after it, as torch DDP's)
+        for label in ("", "kept_", "join_"):
             with contextlib.ExitStack() as stack:
-                if label:
+                if label == "join_":
                     stack.enter_context(ddp.join(divide_by_initial_world_size=False))
                     for _ in range(2):  # the prelude's first steps
+                        step()
+                if label == "kept_":  # .grads kept: each bucket reduced in place in them
+                    set_to_none = False
+                    for _ in range(3):  # compile, settle
                         step()
                 seen: set = set()
                 _torch.distributed.collectives_since(seen)

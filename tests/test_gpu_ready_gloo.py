@@ -1,8 +1,8 @@
 """What a GPU would punish and gloo on the CPU forgives, checked on 2 gloo ranks:
 
-* a steady step of a compiled, fused model, inside ``join()`` too, reads no tensor
-  value on the host (on a GPU each read is a device sync: the host loses its run-ahead
-  in the middle of backward), makes no tensor from host data on a device
+* a steady step of a compiled, fused model, with kept ``.grad``s and inside ``join()``
+  too, reads no tensor value on the host (on a GPU each read is a device sync: the host
+  loses its run-ahead in the middle of backward), makes no tensor from host data on a device
   (``torch.tensor(..., device=)``: on a GPU a copy from pageable memory that blocks the
   host the same way; join()'s prelude did, found by the GPU suite), and issues on the
   model's process group exactly its buckets' all-reduces: the per-step plan check runs
@@ -28,6 +28,10 @@ def test_a_steady_step_reads_nothing_on_the_host_and_issues_only_its_buckets(mon
         assert r["reads"] == {}, r
         # Net's two buckets at bucket_cap_mb=0.002: (b.bias, b.weight), (a.bias, a.weight)
         assert r["collectives"] == [("gloo:all_reduce", r["group"])] * (STEPS * 2), r
+        # kept .grads, each bucket reduced in place in them (on the GPU suite's list
+        # after join(), not yet run on a GPU)
+        assert r["kept_reads"] == {}, r
+        assert r["kept_collectives"] == [("gloo:all_reduce", r["group"])] * (STEPS * 2), r
         # inside join(), per step also torch's Join's notice that this rank still trains
         # and the prelude's all-reduce of the ranks still training (torch DDP issues
         # both too); that count stays on the device as the divisor (before: a host read
