@@ -136,3 +136,32 @@ def test_first_step_table_compares_the_warm_first_step_with_ddp_optimizer():
     assert "| 30.0 | 8.0 | 2.00x | 0.050 | 5.00 |" in rows["ddp_fusion_stock"], rows
     assert "| 10.0 | 4.0 | 1.00x |" in rows["ddp_optimizer"]
     assert "failed: boom" in rows["compute_only"]
+
+
+def test_host_cost_sorts_wrapper_lines_and_refuses_unknown_modes(capsys):
+    from bench import host_cost
+
+    kinds = [host_cost._kind(line) for line in (
+        "        del buf3",
+        "        buf21 = reinterpret_tensor(buf27, (16, ), (1, ), 0)  # alias",
+        "        return (reinterpret_tensor(buf27, (16, 16), (16, 1), 288), )",
+        "        buf6 = empty_strided_cpu((16, 16), (16, 1), torch.float32)",
+        "        assert_size_stride(arg5_1, (8, 16), (16, 1), 'input')",
+        "        extern_kernels.mm(buf5, arg3_1, out=buf10)",
+        "        cpp_fused_1(buf5, buf3, buf8, buf21)",
+        "        torch.ops.ddp_fusion.all_reduce_bucket.default(buf27, '0')",
+    )]
+    assert kinds == ["del", "alias of a bucket slice", "return (outputs, views)", "empty_strided",
+                     "assert_size_stride/alignment", "extern kernel (mm, ...)", "generated kernel",
+                     "ddp_fusion op: all_reduce_bucket"]
+    with pytest.raises(SystemExit):
+        host_cost.main(["--modes", "ddp_fusion,floor"])
+    assert "floor" in capsys.readouterr().err
+    result = {"params": 4, "step_ms": 2.0, "guard_us": {"forward": 10.0, "backward": 30.0},
+              "wrapper_ms": {"del": [0.5, 20.0]}}
+    floor = {**result, "mode": "compiled_autograd", "step_ms": 1.0,
+             "guard_us": {"forward": 10.0, "backward": 10.0}, "wrapper_ms": {"del": [0.1, 8.0]}}
+    text = host_cost.table([{**result, "mode": "ddp_fusion"}, floor])
+    assert "| step, ms (median of round medians) | 2.000 | 1.000 | 250.00 µs |" in text
+    assert "| guards of the backward frame, µs per step | 30.000 | 10.000 | 5.00 µs |" in text
+    assert "backward wrapper: del, ms (20 / 8 per step) | 0.500 | 0.100 | 100.00 µs |" in text

@@ -40,6 +40,8 @@ REQUIRED = (
     "torch._inductor.virtualized.V.set_fake_mode",
     "torch._functorch.config.enable_autograd_cache",
     "torch._guards.detect_fake_mode",
+    "torch._dynamo.eval_frame._debug_get_cache_entry_list",
+    "torch._inductor.codecache.PyCodeCache.modules",
     "torch._C._distributed_c10d.Reducer._get_zeros_like_grad_buckets",
     "torch.fx.passes.shape_prop._extract_tensor_metadata",
     "torch.distributed._functional_collectives.all_reduce",
@@ -249,3 +251,64 @@ def upstream_concat_fusion(gm: torch.fx.GraphModule, bucket_mb: float) -> None:
         raise RuntimeError("no fake tensors in the traced graph")
     with V.set_fake_mode(fake_mode):
         fuse_ddp_with_concat_op(gm.graph, bucket_mb)
+
+
+# --------------------------------------------------------------------------- host_cost
+
+
+@contextlib.contextmanager
+def frames_called(record: Callable[[str, Any], None]) -> Iterator[None]:
+    """Calls ``record(kind, (code, locals))`` for the frames Dynamo runs compiled code for,
+    while the context is open: ``"backward"`` for the compiled-autograd graph (its
+    GraphModule's ``forward`` and the arguments compiled autograd calls it with, lists
+    copied before the graph clears them), ``"forward"`` for every ``forward`` of a
+    module (its class's ``forward`` code and the frame's locals)."""
+    import sys
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        local = frame.f_locals
+        if frame.f_code.co_name == "runtime_wrapper" and "compiled_fn" in local and "hooks" in local:
+            # compiled autograd's runtime wrapper: compiled_fn(inputs, sizes, scalars, hooks, ...)
+            gm = getattr(local["compiled_fn"], "_orig_mod", local["compiled_fn"])
+            args = {k: list(v) if isinstance(v, list) else v for k, v in local.items()
+                    if k in ("inputs", "sizes", "scalars", "hooks", "packed_inputs")}
+            record("backward", (type(gm).forward.__code__, {"self": gm, **args}))
+        elif frame.f_code.co_name == "forward" and isinstance(local.get("self"), torch.nn.Module):
+            record("forward", (type(local["self"]).forward.__code__, dict(local)))
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+
+
+def guard_check_us(code: Any, f_locals: dict[str, Any], calls: int, grad_enabled: bool) -> list[float | None]:
+    """Microseconds per evaluation of the guards of each compiled entry of ``code``
+    (Dynamo's cache), on ``f_locals``, ``calls`` evaluations; None for an entry whose
+    guards fail on them (not the entry this frame runs)."""
+    import time
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    out: list[float | None] = []
+    with torch.set_grad_enabled(grad_enabled):
+        for entry in _debug_get_cache_entry_list(code):
+            manager = entry.guard_manager
+            if not manager.check(f_locals):
+                out.append(None)
+                continue
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                manager.check(f_locals)
+            out.append((time.perf_counter() - t0) / calls * 1e6)
+    return out
+
+
+def inductor_modules() -> list[Any]:
+    """The Python modules of the graphs Inductor compiled (or loaded) in this process."""
+    from torch._inductor.codecache import PyCodeCache
+
+    return list(PyCodeCache.modules)

@@ -1,0 +1,232 @@
+"""Where ddp_fusion's host time per parameter goes, against its compiled-autograd floor.
+
+One process, world size 1 (gloo, no communication), the host-bound model (``mlp_host``:
+402 small parameters, batch 8), one thread, so that the step is host time. Each mode runs
+in a fresh process: ``ddp_fusion`` (the wrapper, concat) and ``compiled_autograd`` (the
+model in a one-line wrapper module, backward through compiled autograd and Inductor,
+no DDP: ddp_fusion's own floor). For each:
+
+* the step (median of the round medians);
+* Dynamo's guard evaluation of the two compiled frames (the wrapper's forward, the
+  compiled-autograd graph), timed directly on the frames' captured locals: what a step
+  spends in guards, without a profiler's own cost in the figure;
+* with ``line_profiler`` installed (``pip install line_profiler``), the backward graph's
+  Inductor wrapper code (the ``call`` that launches its kernels), by kind of statement,
+  line-profiled (so inflated by the profiler's cost per line; compare the two modes).
+
+    python -m bench.host_cost --zero-grad none
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+MODES = ("ddp_fusion", "compiled_autograd")
+MODEL = "mlp_host"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kind(line: str) -> str:
+    """What a line of Inductor's wrapper code does."""
+    line = line.strip()
+    if line.startswith("del "):
+        return "del"
+    if "reinterpret_tensor" in line and "# alias" in line:
+        return "alias of a bucket slice"
+    if line.startswith("return"):
+        return "return (outputs, views)"
+    if "empty_strided" in line:
+        return "empty_strided"
+    if line.startswith(("assert_size_stride", "assert_alignment")):
+        return "assert_size_stride/alignment"
+    if "extern_kernels." in line:
+        return "extern kernel (mm, ...)"
+    if re.match(r"cpp_fused_\w+\(|triton_\w+\.run\(", line):
+        return "generated kernel"
+    if "torch.ops.ddp_fusion." in line:
+        return "ddp_fusion op: " + line.split("torch.ops.ddp_fusion.")[1].split(".")[0]
+    return "other"
+
+
+def worker(mode: str, zero_grad: str, rounds: int, steps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import ddp_fusion
+    from bench._lib import _torch
+    from bench._lib.models import loss_of, make_batches, make_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    net = make_model(MODEL)
+    ((x, y),) = make_batches(MODEL, 0, 1)
+    if mode == "ddp_fusion":
+        ddp_fusion.config.enabled = True
+        model: nn.Module = ddp_fusion.DistributedDataParallel(net)
+    else:
+        class Plain(nn.Module):  # a forward frame like the wrapper's
+            def __init__(self, module: nn.Module) -> None:
+                super().__init__()
+                self.module = module
+
+            def forward(self, *args: Any) -> Any:
+                return self.module(*args)
+
+        _ca = _torch.compiled_autograd(dynamic=False)
+        _ca.__enter__()  # for the life of the process
+        model = Plain(net)
+    loss = loss_of(MODEL, torch.compile(model))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def step(backward_profiler: Any = None) -> None:
+        opt.zero_grad(set_to_none=zero_grad == "none")
+        out = loss(x, y)
+        if backward_profiler is not None:
+            backward_profiler.enable_by_count()
+        out.backward()
+        if backward_profiler is not None:
+            backward_profiler.disable_by_count()
+        opt.step()
+
+    for _ in range(6):
+        step()
+    medians = []
+    for _ in range(rounds):
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times) * 1e3)
+
+    frames: dict[str, Any] = {}
+    with _torch.frames_called(lambda kind, frame: frames.setdefault(kind, frame)):
+        step()
+    guards = {}
+    for kind in ("forward", "backward"):
+        code, f_locals = frames[kind]
+        timed = [t for t in _torch.guard_check_us(code, f_locals, 300, kind == "forward") if t is not None]
+        guards[kind] = timed[0] if timed else None
+
+    wrapper: dict[str, list[float]] | None = None
+    try:
+        from line_profiler import LineProfiler
+    except ImportError:
+        pass
+    else:
+        profiler = LineProfiler()
+        modules = [m for m in _torch.inductor_modules() if hasattr(m, "Runner")]
+        for m in modules:
+            profiler.add_function(m.Runner.call)
+        profiled = 50
+        for _ in range(profiled):
+            step(profiler)
+        stats = profiler.get_stats()
+        spent = {key: sum(t for _, _, t in lines) for key, lines in stats.timings.items() if lines}
+        (filename, _, _), lines = max(((k, stats.timings[k]) for k in spent), key=lambda kv: spent[kv[0]])
+        source = open(filename).read().splitlines()
+        ms, per_step = Counter(), Counter()
+        for lineno, hits, t in lines:
+            kind = _kind(source[lineno - 1])
+            ms[kind] += t * stats.unit / profiled * 1e3
+            per_step[kind] += hits / profiled
+        wrapper = {k: [ms[k], per_step[k]] for k in ms}
+    params = sum(1 for _ in net.parameters())
+    counters = _torch.counters()
+    return {"mode": mode, "params": params, "buckets_per_graph": _buckets(counters),
+            "round_medians_ms": medians, "step_ms": statistics.median(medians),
+            "guard_us": guards, "wrapper_ms": wrapper}
+
+
+def _buckets(counters: dict[str, Any]) -> float | None:
+    c = counters.get("ddp_fusion", {})
+    return c["buckets"] / c["graphs"] if c.get("graphs") else None
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    by = {r["mode"]: r for r in results}
+    fused, floor = by.get("ddp_fusion"), by.get("compiled_autograd")
+    rows = ["| | " + " | ".join(by) + " | difference per parameter |", "|---|" + "---:|" * (len(by) + 1)]
+
+    def row(label: str, values: list[float | None], scale: float) -> None:
+        cells = [f"{v:.3f}" if v is not None else "n/a" for v in values]
+        diff = ""
+        if fused is not None and floor is not None and None not in values[:2]:
+            diff = f"{(values[0] - values[1]) * scale / fused['params']:.2f} µs"
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {diff} |")
+
+    order = [by[m] for m in MODES if m in by]
+    row("step, ms (median of round medians)", [r["step_ms"] for r in order], 1e3)
+    for kind in ("forward", "backward"):
+        row(f"guards of the {kind} frame, µs per step", [r["guard_us"][kind] for r in order], 1.0)
+    kinds = sorted({k for r in order if r["wrapper_ms"] for k in r["wrapper_ms"]},
+                   key=lambda k: -max((r["wrapper_ms"] or {}).get(k, [0])[0] for r in order))
+    for k in kinds:
+        vals = [(r["wrapper_ms"] or {}).get(k, [0.0, 0.0]) for r in order]
+        label = f"backward wrapper: {k}, ms (" + " / ".join(f"{v[1]:.0f}" for v in vals) + " per step)"
+        row(label, [v[0] for v in vals], 1e3)
+    if kinds:
+        row("backward wrapper, all, ms (line-profiled)",
+            [sum(v[0] for v in (r["wrapper_ms"] or {}).values()) for r in order], 1e3)
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from: {','.join(MODES)}")
+    parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
+                        help="each step's optimizer.zero_grad: set_to_none=True (none) or False (zeros)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per round")
+    parser.add_argument("--out", default="host_cost.json", help="JSON output (relative: under bench/out/)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        result = worker(args.worker, args.zero_grad, args.rounds, args.steps)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        parser.error(f"unknown modes {bad}")
+    results = []
+    for mode in modes:
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.host_cost", "--worker", mode, "--zero-grad", args.zero_grad,
+             "--rounds", str(args.rounds), "--steps", str(args.steps)],
+            capture_output=True, text=True, check=False,
+        )
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            sys.exit(f"{mode} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+        print(f"  {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\n{MODEL}, world size 1, zero_grad set_to_none={args.zero_grad == 'none'}\n")
+    print(table(results))
+    out = args.out if os.path.isabs(args.out) else os.path.join(os.path.dirname(__file__), "out", args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"zero_grad": args.zero_grad, "results": results}, f, indent=1)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
