@@ -2,11 +2,13 @@
 
 One process, world size 1 (gloo, no communication), the host-bound model (``mlp_host``:
 402 small parameters, batch 8), one thread, so that the step is host time. Each mode runs
-in a fresh process: ``ddp_fusion`` (the wrapper, concat) and ``compiled_autograd`` (the
-model in a one-line wrapper module, backward through compiled autograd and Inductor,
-no DDP: ddp_fusion's own floor). For each:
+in a process of its own: ``ddp_fusion`` (the wrapper, concat) and ``compiled_autograd``
+(the model in a one-line wrapper module, backward through compiled autograd and
+Inductor, no DDP: ddp_fusion's own floor). For each:
 
-* the step (median of the round medians);
+* the step: the processes take turns at timing rounds (the order turning each round),
+  so that a slower spell of the machine falls on both; the median of the round medians,
+  and the per-round ratio;
 * Dynamo's guard evaluation of the two compiled frames (the wrapper's forward, the
   compiled-autograd graph), timed directly on the frames' captured locals: what a step
   spends in guards, without a profiler's own cost in the figure;
@@ -27,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from typing import Any
@@ -63,7 +66,10 @@ def _kind(line: str) -> str:
     return "other"
 
 
-def worker(mode: str, zero_grad: str, rounds: int, steps: int) -> dict[str, Any]:
+def worker(mode: str, zero_grad: str, steps: int) -> dict[str, Any]:
+    """Compile and warm up, print ``READY``; then, per ``round`` line read from stdin,
+    time ``steps`` steps and print ``ROUND <median ms>``; at ``finish``, measure the
+    guards and the wrapper and return the result."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -107,14 +113,16 @@ def worker(mode: str, zero_grad: str, rounds: int, steps: int) -> dict[str, Any]
 
     for _ in range(6):
         step()
-    medians = []
-    for _ in range(rounds):
+    print("READY", flush=True)
+    for command in sys.stdin:
+        if command.strip() != "round":
+            break
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times) * 1e3)
+        print(f"ROUND {statistics.median(times) * 1e3}", flush=True)
 
     frames: dict[str, Any] = {}
     with _torch.frames_called(lambda kind, frame: frames.setdefault(kind, frame)):
@@ -151,8 +159,19 @@ def worker(mode: str, zero_grad: str, rounds: int, steps: int) -> dict[str, Any]
     params = sum(1 for _ in net.parameters())
     counters = _torch.counters()
     return {"mode": mode, "params": params, "buckets_per_graph": _buckets(counters),
-            "round_medians_ms": medians, "step_ms": statistics.median(medians),
             "guard_us": guards, "wrapper_ms": wrapper}
+
+
+def _expect(workers: dict[str, Any], mode: str, tag: str) -> str:
+    """The rest of the next line ``mode``'s worker prints starting with ``tag``; exits
+    with the worker's error output if it ends first."""
+    proc, err = workers[mode]
+    for line in proc.stdout:
+        if line.startswith(tag):
+            return line[len(tag):].strip()
+    proc.wait()
+    err.seek(0)
+    sys.exit(f"{mode} failed (exit {proc.returncode}):\n{err.read()[-3000:]}")
 
 
 def _buckets(counters: dict[str, Any]) -> float | None:
@@ -193,32 +212,51 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from: {','.join(MODES)}")
     parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
                         help="each step's optimizer.zero_grad: set_to_none=True (none) or False (zeros)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds, the modes' processes taking turns")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--out", default="host_cost.json", help="JSON output (relative: under bench/out/)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        result = worker(args.worker, args.zero_grad, args.rounds, args.steps)
+        result = worker(args.worker, args.zero_grad, args.steps)
         print("RESULT " + json.dumps(result), flush=True)
         return
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
     if bad:
         parser.error(f"unknown modes {bad}")
-    results = []
-    for mode in modes:
-        t0 = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.host_cost", "--worker", mode, "--zero-grad", args.zero_grad,
-             "--rounds", str(args.rounds), "--steps", str(args.steps)],
-            capture_output=True, text=True, check=False,
-        )
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-        if done.returncode != 0 or not lines:
-            sys.exit(f"{mode} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-        print(f"  {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
+    workers = {}
+    try:
+        for mode in modes:  # compiled one after the other
+            t0 = time.perf_counter()
+            err = tempfile.TemporaryFile(mode="w+")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "bench.host_cost", "--worker", mode, "--zero-grad", args.zero_grad,
+                 "--steps", str(args.steps)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1,
+            )
+            workers[mode] = (proc, err)
+            _expect(workers, mode, "READY")
+            print(f"  {mode}: compiled and warm in {time.perf_counter() - t0:.0f} s", flush=True)
+        medians: dict[str, list[float]] = {m: [] for m in modes}
+        for r in range(args.rounds):  # round-robin, the order turning each round
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+                workers[mode][0].stdin.write("round\n")
+                medians[mode].append(float(_expect(workers, mode, "ROUND")))
+        results = []
+        for mode in modes:
+            workers[mode][0].stdin.write("finish\n")
+            result = json.loads(_expect(workers, mode, "RESULT"))
+            result.update(round_medians_ms=medians[mode], step_ms=statistics.median(medians[mode]))
+            results.append(result)
+    finally:
+        for proc, err in workers.values():
+            proc.kill()
+            err.close()
+    if len(modes) == 2:
+        ratios = [a / b for a, b in zip(*medians.values())]
+        print(f"  {modes[0]} / {modes[1]} per round: median {statistics.median(ratios):.3f} "
+              f"({min(ratios):.3f}-{max(ratios):.3f})")
     print(f"\n{MODEL}, world size 1, zero_grad set_to_none={args.zero_grad == 'none'}\n")
     print(table(results))
     out = args.out if os.path.isabs(args.out) else os.path.join(os.path.dirname(__file__), "out", args.out)
