@@ -207,9 +207,14 @@ def main(argv: list[str] | None = None) -> None:
             host_text = report.host_table(model, merged, cap, info["num_tensors"])
             if host_text:
                 print(f"-- over each mode's own compute floor (medians) --\n{host_text}")
+            cpu_text = report.cpu_table(model, merged, cap)
+            if cpu_text:
+                print(f"-- host CPU time per step (median; mean of ranks; before the device "
+                      f"sync) --\n{cpu_text}")
             bytes_text = report.bytes_table(model, merged, cap, args.device)
             print(f"-- collectives and bytes per step (rank 0, one profiled step) --\n{bytes_text}")
-            result["tables"][f"{model}|{cap}"] = {"text": text, "bytes_text": bytes_text, **summary}
+            result["tables"][f"{model}|{cap}"] = {"text": text, "bytes_text": bytes_text,
+                                                   "cpu_text": cpu_text, **summary}
     failures = {k: j["failed"] for k, j in merged.items() if j.get("failed")}
     if failures:
         print("\nfailures (full tracebacks in the JSON):")

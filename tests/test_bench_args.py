@@ -165,3 +165,31 @@ def test_host_cost_sorts_wrapper_lines_and_refuses_unknown_modes(capsys):
     assert "| step, ms (median of round medians) | 2.000 | 1.000 | 250.00 µs |" in text
     assert "| guards of the backward frame, µs per step | 30.000 | 10.000 | 5.00 µs |" in text
     assert "backward wrapper: del, ms (20 / 8 per step) | 0.500 | 0.100 | 100.00 µs |" in text
+
+
+def test_step_time_reports_host_cpu_per_step_against_the_modes_own_floor():
+    from bench._lib import jobs, report
+
+    class Ranks:  # a job whose two ranks return these per-step records
+        def __init__(self, mode, cpu, main):
+            self.key = self.label = mode
+            self.failed = None
+            self.rec = {"model": "mlp_host", "mode": mode, "cap": None, "times_ms": [],
+                        "round_medians_ms": [], "recompiles_during_timing": []}
+            self.res = [{"times_ms": [5.0, 7.0], "cpu_ms": c, "main_cpu_ms": m, "recompiles": {"g": 0}}
+                        for c, m in zip(cpu, main)]
+
+        def run(self, fn, steps):
+            return self.res
+
+    fusion = Ranks("ddp_fusion_concat", cpu=[[4.0, 6.0], [6.0, 8.0]], main=[[3.0, 3.0], [3.0, 5.0]])
+    floor = Ranks("compute_compiled_autograd", cpu=[[2.0, 2.0], [2.0, 2.0]], main=[[2.0, 2.0], [2.0, 2.0]])
+    jobs.time_round_robin([fusion, floor], rounds=1, steps=2, log=lambda msg: None)
+    assert fusion.rec["cpu_ms"] == [5.0, 7.0]  # per step: the mean over ranks
+    recs = jobs.records([fusion, floor])
+    assert recs["ddp_fusion_concat"]["cpu_ms_median"] == 6.0
+    assert recs["ddp_fusion_concat"]["main_cpu_ms_median"] == 3.5
+    table = report.cpu_table("mlp_host", recs, None)
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[2:]}
+    assert rows["ddp_fusion_concat"] == ["6.00", "3.50", "2.50", "4.00"]  # all, main, other, over floor
+    assert rows["compute_compiled_autograd"] == ["2.00", "2.00", "0.00", "-"]

@@ -134,6 +134,8 @@ def time_round_robin(jobs: list[Job], rounds: int, steps: int, log: Log, rec_key
             per_step = [max(ts) for ts in zip(*(x["times_ms"] for x in res))]
             rec["times_ms"] += per_step
             rec["round_medians_ms"].append(statistics.median(per_step))
+            for key in ("cpu_ms", "main_cpu_ms"):  # a step's host CPU: the mean over ranks
+                rec.setdefault(key, []).extend(statistics.fmean(c) for c in zip(*(x[key] for x in res)))
             rec["recompiles_during_timing"].append(
                 {k: max(x["recompiles"][k] for x in res) for k in res[0]["recompiles"]})
             line.append(f"{job.label}={statistics.median(per_step):.1f}")
@@ -180,6 +182,9 @@ def records(jobs: list[Job]) -> dict[str, dict[str, Any]]:
             rec["failed"], rec["traceback"] = job.failed, job.traceback
         if rec["times_ms"]:
             rec.update(spread(rec["times_ms"]))
+        for key in ("cpu_ms", "main_cpu_ms"):
+            if rec.get(key):
+                rec[f"{key}_median"] = statistics.median(rec[key])
         out[job.key] = rec
     return out
 

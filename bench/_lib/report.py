@@ -98,6 +98,28 @@ def host_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, num_tensor
     return "\n".join(lines)
 
 
+def cpu_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> str | None:
+    """Each mode's host CPU time per step (medians over steps of the mean over ranks):
+    every thread of a rank's process (main, Inductor's, gloo's, ddp_fusion's host
+    group), the main thread, and the difference; and the all-threads time over the
+    mode's own floor where that was run. CPU time, unlike the step's wall time, does not
+    count time a rank spends waiting (for its peer, or descheduled by the machine), so
+    it separates host work from waiting. None where no step recorded it."""
+    rows = [j for j in _rows(model, jobs, cap) if j.get("cpu_ms_median") is not None]
+    if not rows:
+        return None
+    floors = {j["mode"]: j["cpu_ms_median"] for j in rows if j["mode"] in FLOORS}
+    head = (f"{'mode':<38}{'CPU ms, all threads':>20}{'main thread':>13}{'other threads':>15}"
+            f"{'over floor':>12}")
+    lines = [head, "-" * len(head)]
+    for j in rows:
+        cpu, main = j["cpu_ms_median"], j["main_cpu_ms_median"]
+        floor = floors.get(own_floor(j["mode"])) if j["mode"] not in FLOORS else None
+        over = f"{cpu - floor:.2f}" if floor is not None else "-"
+        lines.append(f"{j['mode']:<38}{cpu:>20.2f}{main:>13.2f}{cpu - main:>15.2f}{over:>12}")
+    return "\n".join(lines)
+
+
 def bytes_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, device: str) -> str:
     """Collectives, bytes and memory per step (rank 0; one profiled step; MB = 1e6 bytes).
 

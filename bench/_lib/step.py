@@ -9,7 +9,7 @@ ranks stay alive between calls, holding the built (compiled) step in this module
 
     pool.run(step.start, model, mode, cap, device, set_to_none)   # build, enter the mode
     pool.run(step.warmup, n)       # n steps (compiles), seconds
-    pool.run(step.time_steps, n)   # n timed steps: ms each, recompiles during them
+    pool.run(step.time_steps, n)   # n timed steps: ms and host CPU ms each, recompiles
     pool.run(step.first_steps, n)  # the first n steps, each timed, compile phases (first_step)
     pool.run(step.measure)         # one profiled step: bytes, copies, memory, graph stats
     pool.run(step.trace, shapes)   # one profiled step as a time line (profiling.timeline)
@@ -190,14 +190,20 @@ def _compile_counts() -> dict[str, int]:
             "ca_captures": int(c["compiled_autograd"]["captures"])}
 
 
-def _barrier_timed(job: _Job, n: int) -> list[float]:
-    """``n`` steps, each started after a barrier; seconds each."""
+def _barrier_timed(job: _Job, n: int, cpu: list[tuple[float, float]] | None = None) -> list[float]:
+    """``n`` steps, each started after a barrier; seconds each. ``cpu``: gets each step's
+    CPU seconds (every thread of this process, its main thread alone), from its start to
+    the return of the step's call: before the closing device synchronize, which on a GPU
+    may spin while the device finishes."""
     times = []
     for _ in range(n):
         dist.barrier()
         job.sync()
         t0 = time.perf_counter()
+        c0, m0 = time.process_time(), time.thread_time()
         job.step()
+        if cpu is not None:
+            cpu.append((time.process_time() - c0, time.thread_time() - m0))
         job.sync()
         times.append(time.perf_counter() - t0)
     return times
@@ -237,12 +243,17 @@ def first_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
 
 
 def time_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
-    """``n`` steps, each after a barrier: ``times_ms`` and the compiles during them."""
+    """``n`` steps, each after a barrier: ``times_ms``, the host CPU time of each
+    (``cpu_ms``: every thread of the process; ``main_cpu_ms``: the main thread), and the
+    compiles during them."""
     job = _current()
     before = _compile_counts()
-    times = [1e3 * t for t in _barrier_timed(job, n)]
+    cpu: list[tuple[float, float]] = []
+    times = [1e3 * t for t in _barrier_timed(job, n, cpu)]
     after = _compile_counts()
-    return {"times_ms": times, "recompiles": {k: after[k] - before[k] for k in after}}
+    return {"times_ms": times, "cpu_ms": [1e3 * c for c, _ in cpu],
+            "main_cpu_ms": [1e3 * m for _, m in cpu],
+            "recompiles": {k: after[k] - before[k] for k in after}}
 
 
 def measure(rank: int, world_size: int) -> dict[str, Any]:
