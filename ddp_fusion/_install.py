@@ -133,7 +133,9 @@ def _patches_for(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     collectives: keep the pass's node order, and with a communication dtype keep the
     rounding to it before the scaling (Inductor would otherwise compute cast + divide in
     fp32 and round once, where torch's compress hooks round the gradient first: a
-    different result where the quotient is subnormal).
+    different result where the quotient is subnormal); and bound Inductor's fusion
+    search among the readers of a bucket's divisor (one per gradient), which is
+    otherwise most of a cold compile's extra time on a model of many parameters.
 
     The node order is kept whether or not ``schedule_waits`` placed the waits: Inductor
     keeps its own collectives in graph order, but not ddp_fusion's in-place bucket op
@@ -148,6 +150,7 @@ def _patches_for(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
         patches.update(_torch.inductor.options_emulating_precision_casts())
     if tagged:
         patches.update(_torch.inductor.options_without_upstream_ddp_fusion())
+        patches.update(_torch.inductor.options_bounding_fusion_search())
     return patches
 
 

@@ -66,6 +66,24 @@ def test_the_compiled_backward_keeps_the_pass_order_without_wait_scheduling(enab
             assert _install._patches_for(gm).get("reorder_for_peak_memory") is False
 
 
+def test_the_compiled_backward_bounds_inductors_fusion_search_among_the_divisors_readers(enabled):
+    """Every gradient's scaled copy reads its bucket's divisor: Inductor's pairwise fusion
+    search in that group of readers is bounded for a graph ddp_fusion fuses (cold
+    compile, bench/results/compile_time_cpu_2026-11-27.md), and a lower setting of the
+    user's is kept."""
+    import torch._inductor.config as inductor_config
+
+    name = "max_fusion_buffer_group_pairwise_attempts"
+    gm = torch.fx.symbolic_trace(lambda g: torch.ops.ddp_fusion.all_reduce_gradient(
+        g, "0", "avg", [1], "w", None, -1, 0))
+    assert getattr(inductor_config, name) == 64  # torch's default, which the patch lowers
+    assert _install._patches_for(gm)[name] == 8
+    with inductor_config.patch({name: 4}):
+        assert _install._patches_for(gm)[name] == 4
+    plain = torch.fx.symbolic_trace(lambda g: g * 2)
+    assert name not in _install._patches_for(plain)
+
+
 def test_adopted_torch_ddp_takes_its_bucket_arguments_and_group(enabled):
     """bucket_cap_mb / bucket_cap_mb_list and the process group reach the hooks' bucket
     limits (the same limits the wrapper is tested with against eager DDP)."""
