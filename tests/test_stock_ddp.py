@@ -71,8 +71,7 @@ def test_the_compiled_backward_bounds_inductors_fusion_search_among_the_divisors
     search in that group of readers is bounded for a graph ddp_fusion fuses (cold
     compile, bench/results/compile_time_cpu_2026-11-27.md), and a lower setting of the
     user's is kept."""
-    import torch._inductor.config as inductor_config
-
+    inductor_config = _torch.inductor.config()
     name = "max_fusion_buffer_group_pairwise_attempts"
     gm = torch.fx.symbolic_trace(lambda g: torch.ops.ddp_fusion.all_reduce_gradient(
         g, "0", "avg", [1], "w", None, -1, 0))

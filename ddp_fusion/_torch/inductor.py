@@ -166,7 +166,7 @@ def options_keeping_node_order() -> dict[str, Any]:
 
 # pairwise fusion attempts per node within one buffer's group of readers: enough for
 # Inductor to merge a bucket's scaled copies over its rounds (it fuses neighbours, then
-# neighbours of the fused nodes), few enough that the group stays linear
+# neighbours of the fused nodes), an eighth of torch's default checks per node
 FUSION_ATTEMPTS_PER_SHARED_BUFFER = 8
 
 
@@ -176,7 +176,7 @@ def options_bounding_fusion_search() -> dict[str, Any]:
     device scalar), so the divisor's readers are one group of as many nodes as the graph
     has gradients, and Inductor checks each node against the next
     ``max_fusion_buffer_group_pairwise_attempts`` (default 64) of them in every fusion
-    round, each check costlier as the fused nodes grow: 27 s of a 103 s cold first step
+    round, each check costlier as the fused nodes grow: 26 s of a 99 s cold first step
     on a model of 402 parameters (bench/results/compile_time_cpu_2026-11-27.md), for
     the same generated code as with 8. Never raises the user's own setting."""
     name = "max_fusion_buffer_group_pairwise_attempts"
