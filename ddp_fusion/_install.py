@@ -156,7 +156,10 @@ def _patches_for(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
 
 def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
     """Compiled autograd's compiler: ``torch.compile`` with Inductor and
-    ``config.backward_compile_kwargs`` (read when each backward graph is compiled)."""
+    ``config.backward_compile_kwargs`` (read when each backward graph is compiled).
+    Its code does not re-check the sizes and strides of its inputs, which Dynamo's guards
+    on compiled autograd's frame check at every backward (one call per input per step
+    saved: ``_torch.inductor.backend``)."""
     kwargs = dict(config.backward_compile_kwargs)
     if kwargs.get("mode") == "reduce-overhead" and any(
         _reduce_op(n) == HOOK for n in _tagged_all_reduces(graph_module)
@@ -168,7 +171,7 @@ def compile_backward(graph_module: torch.fx.GraphModule) -> Any:
         )
     backend = _torch.inductor.backend(
         kwargs.pop("mode", None), kwargs.pop("options", None), kwargs.get("dynamic"), _patches_for,
-        on_lowering=dump.lowered,
+        on_lowering=dump.lowered, input_asserts=False,
     )
     return torch.compile(graph_module, backend=backend, **kwargs)
 

@@ -251,3 +251,25 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
         assert readers == [], readers  # no copy back
         assert re.search(rf"return \(.*reinterpret_tensor\({buf},", after_wait)
     assert sorted(numels) == sorted(bucket_numels)
+
+
+def test_the_compiled_backward_leaves_checking_its_inputs_to_dynamos_guards():
+    """Inductor's code checks each graph input's sizes and strides at every call (one
+    ``assert_size_stride(arg, ..., 'input')`` per tensor, ~0.4-1 us of host each):
+    compiled autograd's backward takes every input through its Dynamo frame, whose guards
+    check the same, so ddp_fusion's backward leaves them out; the forward, compiled by the
+    user's ``torch.compile``, keeps them, and so do the backward's checks of its fallback
+    kernels' outputs (the plan check's)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with ddp_fusion.config.patch(enabled=True), torch._inductor.config.patch(fx_graph_cache=False):
+        model = torch.compile(ddp_fusion.DistributedDataParallel(mlp()))
+        _, codes = run_and_get_code(lambda: model(torch.randn(16, 32)).sum().backward())
+    torch._dynamo.reset()
+    backward = [c for c in codes if "ddp_fusion" in c]
+    forward = [c for c in codes if "ddp_fusion" not in c]
+    assert len(backward) == 1 and len(forward) == 1
+    assert "'input')" in forward[0]
+    assert "'input')" not in backward[0]
+    assert "assert_size_stride(buf" in backward[0]  # the outputs of ddp_fusion's ops

@@ -19,6 +19,7 @@ REQUIRED = (
     "torch._inductor.pattern_matcher.stable_topological_sort",
     "torch._TorchCompileInductorWrapper",
     "torch._inductor.graph.GraphLowering.__init__",
+    "torch._inductor.codegen.wrapper.PythonWrapperCodegen.codegen_input_size_asserts",
 )
 
 #: Attributes of objects (not importable names) this module reads, and why that is safe.
@@ -89,11 +90,14 @@ def backend(
     mode: str | None, options: dict[str, Any] | None, dynamic: bool | None,
     extra_patches: Callable[[torch.fx.GraphModule], dict[str, Any]],
     on_lowering: Callable[[torch.fx.GraphModule], None] | None = None,
+    input_asserts: bool = True,
 ) -> Any:
     """The backend ``torch.compile(backend="inductor", mode=, options=, dynamic=)`` uses,
-    plus ``extra_patches(graph)``: Inductor config patches chosen per Dynamo graph; and
+    plus ``extra_patches(graph)``: Inductor config patches chosen per Dynamo graph;
     ``on_lowering(gm)``, called with each post-grad graph Inductor lowers to code (after
-    all its graph passes, its re-inplacing included), before it lowers it."""
+    all its graph passes, its re-inplacing included), before it lowers it; and without
+    ``input_asserts``, code that does not check its inputs' sizes and strides
+    (:func:`_without_input_asserts`)."""
     from torch import _TorchCompileInductorWrapper
 
     class Backend(_TorchCompileInductorWrapper):
@@ -103,12 +107,34 @@ def backend(
             saved = self.config
             self.config = {**saved, **extra_patches(model_)}
             try:
-                with _watching_lowering(on_lowering):
+                with _watching_lowering(on_lowering), _without_input_asserts(not input_asserts):
                     return super().__call__(model_, inputs_, **kwargs)
             finally:
                 self.config = saved
 
     return Backend(mode, options, dynamic)
+
+
+@contextlib.contextmanager
+def _without_input_asserts(active: bool) -> Iterator[None]:
+    """While ``active``: Inductor's generated code does not check its graph inputs' sizes
+    and strides (``assert_size_stride(arg, ..., 'input')``, one call per tensor input per
+    run, about 0.4-1 us each on the host). Only for graphs whose every input Dynamo's
+    guards check already (sizes and strides: ``TENSOR_MATCH``, and the shape guards of
+    dynamic sizes), as compiled autograd's graphs are: the frame Dynamo compiles takes
+    them as its ``inputs``. The other asserts of ``config.size_asserts`` (on the outputs
+    of fallback kernels, which no guard sees) stay."""
+    if not active:
+        yield
+        return
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    original = PythonWrapperCodegen.codegen_input_size_asserts
+    PythonWrapperCodegen.codegen_input_size_asserts = lambda self: None
+    try:
+        yield
+    finally:
+        PythonWrapperCodegen.codegen_input_size_asserts = original
 
 
 _watched: list[bool] = []
