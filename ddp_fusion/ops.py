@@ -121,7 +121,9 @@ def _reduce_one(grad: torch.Tensor, group_name: str, reduce_op: str, name: str,
     return torch.empty_like(grad).copy_(out)
 
 
-def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: str) -> None:
+def _all_reduce_in_place(
+    grads: list[torch.Tensor], group_name: str, algorithm: str, layout: str = "",
+) -> None:
     """Issue the sum of one bucket's kept ``.grad`` tensors over the group, in place, and
     return without waiting (``wait_in_place`` waits): what the pass makes of a bucket
     whose gradients accumulate into ``.grad`` tensors that exist before the backward
@@ -134,7 +136,10 @@ def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: 
     them: its reduced buffer) are reduced right there; others are gathered into a buffer
     first, and after the wait either move into it (see :func:`_movable`: then they are
     one run from the next step on) or get their part copied back. The checks read
-    metadata only (pointers, strides), never a value."""
+    metadata only (pointers, strides), never a value. ``layout``: the pass's name for
+    the ``.grad``s' sizes, strides and dtype where they are static (``""`` where not):
+    with it the one-run check is a comparison of pointers after the first step
+    (:func:`_one_run`)."""
     if _torch.distributed.resolve_process_group(group_name) is None:
         raise RuntimeError(
             f"ddp_fusion.all_reduce_in_place: process group {group_name!r} is not "
@@ -146,7 +151,7 @@ def _all_reduce_in_place(grads: list[torch.Tensor], group_name: str, algorithm: 
         counts["in place: coalesced"] += 1
         c10d.all_reduce_coalesced_([_memory(g) for g in grads], "sum", group_name)
         return
-    run = _one_run(grads)
+    run = _one_run(grads, layout)
     gathered = run is None
     if gathered:
         counts["in place: gathered"] += 1
@@ -255,12 +260,27 @@ def is_dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or laid_out(t, dims_in_memory(t))
 
 
-def _one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:
+def _one_run(grads: list[torch.Tensor], layout: str = "") -> torch.Tensor | None:
     """The 1-D view of the memory that ``grads`` fill one after another, if they do
     (dense, each starting where the one before ends, inside the first one's storage);
     else None. (A bucket's ``.grad``s have its dtype and device: the compiled graph's
-    guards hold them to it.)"""
+    guards hold them to it.)
+
+    ``layout`` names the ``.grad``s' sizes, strides and dtype (passes/in_place.py), which
+    are static there: Dynamo's guards hold every call of the graph to them, and the pass
+    found each dense. Whether such ``.grad``s are one run then depends on their pointers
+    alone, so the walk runs once per layout and pointers (the first step, and after the
+    ``.grad``s moved): later calls compare the pointers with the last run found (one
+    ``data_ptr`` per ``.grad``, not the walk's sizes and strides) and check its end."""
     first = grads[0]
+    storage = first.untyped_storage()
+    if layout:
+        ptrs = tuple(map(torch.Tensor.data_ptr, grads))
+        known = _runs.get(layout)
+        if known is not None and known[0] == ptrs:
+            if ptrs[0] + known[1] > storage.data_ptr() + storage.nbytes():
+                return None
+            return first.as_strided((known[1] // first.element_size(),), (1,), first.storage_offset())
     end = first.data_ptr()
     numel = 0
     for g in grads:
@@ -268,10 +288,16 @@ def _one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         end += g.nbytes
         numel += g.numel()
-    storage = first.untyped_storage()
     if end > storage.data_ptr() + storage.nbytes():
         return None  # (adjacent memory of another allocation)
+    if layout:
+        _runs[layout] = (ptrs, end - first.data_ptr())
     return first.as_strided((numel,), (1,), first.storage_offset())
+
+
+# a bucket's layout, named by the pass -> the pointers of its .grads and their bytes when
+# last found one run (one entry per bucket of a compiled graph with static .grads)
+_runs: dict[str, tuple[tuple[int, ...], int]] = {}
 
 
 # -- a bucket's collective and its wait (passes/concat.py, passes/coalesced.py) -----------
@@ -289,7 +315,7 @@ _lib = torch.library.Library("ddp_fusion", "FRAGMENT")
 _lib.define("all_reduce_bucket(Tensor(a!) flat, str group_name) -> ()", tags=CUDAGRAPH_UNSAFE)
 _lib.define("all_reduce_bucket_coalesced(Tensor(a!)[] tensors, str group_name) -> ()", tags=CUDAGRAPH_UNSAFE)
 _lib.define("wait_bucket(Tensor(a!)[] tensors) -> ()", tags=CUDAGRAPH_UNSAFE)
-_lib.define("all_reduce_in_place(Tensor(a!)[] grads, str group_name, str algorithm) -> ()",
+_lib.define("all_reduce_in_place(Tensor(a!)[] grads, str group_name, str algorithm, str layout=\"\") -> ()",
             tags=CUDAGRAPH_UNSAFE)
 _lib.define("wait_in_place(Tensor(a!)[] grads) -> ()", tags=CUDAGRAPH_UNSAFE)
 

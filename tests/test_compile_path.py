@@ -223,7 +223,8 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
     # buckets [4.b, 4.w, 2.b, 2.w] and [0.b, 0.w] (see grads_after_steps)
     bucket_numels = [8 + 64 * 8 + 64 + 64 * 64, 64 + 32 * 64]
     if grads_before == "zeros":
-        reduced = re.findall(r"ddp_fusion\.all_reduce_in_place\.default\(\[([^\]]*)\], '0', 'concat'\)", call)
+        in_place = r"ddp_fusion\.all_reduce_in_place\.default\(\[([^\]]*)\], '0', 'concat', '[^']+'\)"
+        reduced = re.findall(in_place, call)
         assert [len(r.split(", ")) for r in reduced] == [4, 2], call
         pieces = call.split("all_reduce_in_place")
         for i, names in enumerate(reduced):

@@ -149,7 +149,7 @@ def forward(self, x_1, w1_1, w2_1, grad1_1, grad2_1):
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', 2860895155221077544, 'avg', device(type='cpu'));  plan_check_start_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(add_1, plan_guard_default);  add_1 = plan_guard_default = None
     bucket0_write_1 = torch.ops.aten.copy_.default(grad1_1, div_tensor_1);  div_tensor_1 = None
-    bucket0_all_reduce_in_place = torch.ops.ddp_fusion.all_reduce_in_place.default([bucket0_write, bucket0_write_1], '0', 'concat');  bucket0_all_reduce_in_place = None
+    bucket0_all_reduce_in_place = torch.ops.ddp_fusion.all_reduce_in_place.default([bucket0_write, bucket0_write_1], '0', 'concat', '-1/0/bucket0/2/4dc5377b');  bucket0_all_reduce_in_place = None
     bucket0_wait = torch.ops.ddp_fusion.wait_in_place.default([bucket0_write, bucket0_write_1]);  bucket0_write = bucket0_write_1 = bucket0_wait = None
     return (grad1_1, grad2_1)""")
 
@@ -763,6 +763,42 @@ def test_gathered_grads_move_into_their_bucket_only_where_they_own_their_memory(
     assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     counts = counters["ddp_fusion"]
     assert (counts["in place: gathered"], counts["in place: moved into the bucket"], counts["in place: one run"]) == (2, 1, 1)
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_a_named_layout_is_checked_for_one_run_once_per_pointers(monkeypatch):
+    """Issue 36: a bucket whose kept ``.grad``s have static sizes and strides comes with
+    the pass's name for them; the op walks the ``.grad``s' sizes and strides once per
+    pointers, and on later steps compares pointers only (and the run's end with the first
+    ``.grad``'s storage). ``.grad``s that moved are walked again."""
+    from torch._dynamo.utils import counters
+
+    from ddp_fusion import ops
+
+    counters.clear()
+    in_place, wait = torch.ops.ddp_fusion.all_reduce_in_place, torch.ops.ddp_fusion.wait_in_place
+    flat = torch.arange(7.0)
+    grads = [flat[:3], flat[3:].view(2, 2)]
+    in_place(grads, "0", "concat", "test/one-run")
+    wait(grads)
+    assert ops._runs["test/one-run"] == ((grads[0].data_ptr(), grads[1].data_ptr()), 28)
+
+    def walked(t):
+        raise AssertionError("walked the .grads again")
+
+    with monkeypatch.context() as m:
+        m.setattr(ops, "is_dense", walked)
+        in_place(grads, "0", "concat", "test/one-run")  # same pointers: no walk
+        wait(grads)
+        ops._runs["test/one-run"] = (ops._runs["test/one-run"][0], 32)  # past the storage's end
+        in_place(grads, "0", "concat", "test/one-run")
+        wait(grads)  # gathered, and copied back (views of flat, not their own memory)
+    apart = [torch.arange(3.0), torch.arange(4.0).view(2, 2)]  # moved: walked, gathered
+    in_place(apart, "0", "concat", "test/one-run")
+    wait(apart)
+    counts = counters["ddp_fusion"]
+    assert (counts["in place: one run"], counts["in place: gathered"]) == (2, 2)
+    assert flat.tolist() == list(range(7)) and apart[1].tolist() == [[0.0, 1.0], [2.0, 3.0]]
 
 
 def test_off_the_cpu_grads_move_only_where_each_keeps_16_byte_alignment():

@@ -40,6 +40,7 @@ their own).
 from __future__ import annotations
 
 import operator
+import zlib
 
 import torch
 import torch.fx
@@ -142,11 +143,29 @@ def fuse_in_place(
             writes.append(make(aten.copy_.default, (dst, scaled), name=f"{label}_write"))
         kept.append(dst)
     anchor = after if after is not last.grad else writes[bucket.grads.index(last)]
+    args = (writes, bucket.key.group_name, algorithm)
+    if algorithm == "concat" and (name := _static_layout(bucket, kept, label)):
+        args += (name,)
     with make.graph.inserting_after(anchor):
-        collective = make(ALL_REDUCE_IN_PLACE, (writes, bucket.key.group_name, algorithm),
-                          name=f"{label}_all_reduce_in_place")
+        collective = make(ALL_REDUCE_IN_PLACE, args, name=f"{label}_all_reduce_in_place")
     with make.graph.inserting_after(collective):
         wait = make(WAIT_IN_PLACE, (writes,), name=f"{label}_wait")
     # the hooks' results become the kept .grads: the driver points the final copies'
     # readers at them and erases the copies, with every bucket's in one rewrite
     return FusedBucket(bucket, collective, [[wait]], kept, mutated=kept, replaced=dict(zip(copies, kept)))
+
+
+def _static_layout(bucket: Bucket, kept: list[torch.fx.Node], label: str) -> str:
+    """A name for the kept ``.grad``s' sizes, strides and dtype, if all are static (else
+    ``""``): the op checks once per name and pointers that they are one run of memory
+    (ops.py ``_one_run``; Dynamo's guards hold every call of this graph to these sizes
+    and strides). It names the model, group and bucket too, so that two buckets of the
+    same shapes keep their own entries."""
+    meta = [node.meta.get("val") for node in kept]
+    if not all(isinstance(t, torch.Tensor) for t in meta):
+        return ""
+    described = [(tuple(t.shape), t.stride(), str(t.dtype)) for t in meta]
+    if not all(isinstance(n, int) for shape, stride, _ in described for n in (*shape, *stride)):
+        return ""
+    digest = zlib.crc32(repr(described).encode())
+    return f"{bucket.key.model_id}/{bucket.key.group_name}/{label}/{len(meta)}/{digest:08x}"
