@@ -16,7 +16,14 @@ Inductor, no DDP: ddp_fusion's own floor). For each:
   Inductor wrapper code (the ``call`` that launches its kernels), by kind of statement,
   line-profiled (so inflated by the profiler's cost per line; compare the two modes).
 
+With ``--baseline PATH`` a third process runs ddp_fusion from another checkout (say
+``git worktree add /tmp/base HEAD~1``), taking its turn in every round: what a change
+buys, in the same run. ``--cpu N`` pins every process to one core: on a VM whose cores
+run at different speeds, processes left to the scheduler can keep a core each and show
+the difference of the cores as one of the modes (seen here: 1.2 ms a step either way).
+
     python -m bench.host_cost --zero-grad none
+    python -m bench.host_cost --zero-grad zeros --baseline /tmp/base --cpu 0 --rounds 30 --steps 100
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from collections import Counter
 from typing import Any
 
 MODES = ("ddp_fusion", "compiled_autograd")
+BASELINE = "ddp_fusion@baseline"
+"""ddp_fusion from the checkout ``--baseline`` names (its own bench and ddp_fusion)."""
 MODEL = "mlp_host"
 
 
@@ -174,6 +183,21 @@ def _expect(workers: dict[str, Any], mode: str, tag: str) -> str:
     sys.exit(f"{mode} failed (exit {proc.returncode}):\n{err.read()[-3000:]}")
 
 
+def ratio_lines(medians: dict[str, list[float]]) -> str:
+    """The first mode's round medians over each other mode's, per round (the median,
+    the range, and the median difference in ms)."""
+    first, *others = medians
+    lines = []
+    for other in others:
+        pairs = list(zip(medians[first], medians[other]))
+        ratios = [a / b for a, b in pairs]
+        diff = statistics.median(a - b for a, b in pairs)
+        lines.append(f"  {first} / {other} per round: median {statistics.median(ratios):.3f} "
+                     f"({min(ratios):.3f}-{max(ratios):.3f}); difference {diff:+.2f} ms, "
+                     f"{first} ahead in {sum(r < 1 for r in ratios)} of {len(ratios)}")
+    return "\n".join(lines)
+
+
 def _buckets(counters: dict[str, Any]) -> float | None:
     c = counters.get("ddp_fusion", {})
     return c["buckets"] / c["graphs"] if c.get("graphs") else None
@@ -191,7 +215,8 @@ def table(results: list[dict[str, Any]]) -> str:
             diff = f"{(values[0] - values[1]) * scale / fused['params']:.2f} µs"
         rows.append(f"| {label} | " + " | ".join(cells) + f" | {diff} |")
 
-    order = [by[m] for m in MODES if m in by]
+    order = [by[m] for m in (*MODES, BASELINE) if m in by]
+    rows[0] = "| | " + " | ".join(r["mode"] for r in order) + " | difference per parameter |"
     row("step, ms (median of round medians)", [r["step_ms"] for r in order], 1e3)
     for kind in ("forward", "backward"):
         row(f"guards of the {kind} frame, µs per step", [r["guard_us"][kind] for r in order], 1.0)
@@ -215,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=10, help="rounds, the modes' processes taking turns")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--out", default="host_cost.json", help="JSON output (relative: under bench/out/)")
+    parser.add_argument("--baseline", metavar="PATH",
+                        help="also time ddp_fusion from the checkout at PATH, in the same rounds")
+    parser.add_argument("--cpu", type=int, metavar="N", help="pin every process to core N")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -225,15 +253,24 @@ def main(argv: list[str] | None = None) -> None:
     bad = [m for m in modes if m not in MODES]
     if bad:
         parser.error(f"unknown modes {bad}")
+    if args.baseline:
+        if not os.path.isdir(os.path.join(args.baseline, "ddp_fusion")):
+            parser.error(f"--baseline {args.baseline}: no ddp_fusion package there")
+        modes.append(BASELINE)
+    pin = (lambda: os.sched_setaffinity(0, {args.cpu})) if args.cpu is not None else None
     workers = {}
     try:
         for mode in modes:  # compiled one after the other
             t0 = time.perf_counter()
             err = tempfile.TemporaryFile(mode="w+")
+            env, cwd = None, None
+            if mode == BASELINE:
+                env, cwd = {**os.environ, "PYTHONPATH": os.path.abspath(args.baseline)}, args.baseline
             proc = subprocess.Popen(
-                [sys.executable, "-m", "bench.host_cost", "--worker", mode, "--zero-grad", args.zero_grad,
-                 "--steps", str(args.steps)],
+                [sys.executable, "-m", "bench.host_cost", "--worker", mode.split("@")[0],
+                 "--zero-grad", args.zero_grad, "--steps", str(args.steps)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1,
+                env=env, cwd=cwd, preexec_fn=pin,
             )
             workers[mode] = (proc, err)
             _expect(workers, mode, "READY")
@@ -247,16 +284,13 @@ def main(argv: list[str] | None = None) -> None:
         for mode in modes:
             workers[mode][0].stdin.write("finish\n")
             result = json.loads(_expect(workers, mode, "RESULT"))
-            result.update(round_medians_ms=medians[mode], step_ms=statistics.median(medians[mode]))
+            result.update(mode=mode, round_medians_ms=medians[mode], step_ms=statistics.median(medians[mode]))
             results.append(result)
     finally:
         for proc, err in workers.values():
             proc.kill()
             err.close()
-    if len(modes) == 2:
-        ratios = [a / b for a, b in zip(*medians.values())]
-        print(f"  {modes[0]} / {modes[1]} per round: median {statistics.median(ratios):.3f} "
-              f"({min(ratios):.3f}-{max(ratios):.3f})")
+    print(ratio_lines(medians))
     print(f"\n{MODEL}, world size 1, zero_grad set_to_none={args.zero_grad == 'none'}\n")
     print(table(results))
     out = args.out if os.path.isabs(args.out) else os.path.join(os.path.dirname(__file__), "out", args.out)

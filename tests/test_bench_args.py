@@ -167,6 +167,33 @@ def test_host_cost_sorts_wrapper_lines_and_refuses_unknown_modes(capsys):
     assert "backward wrapper: del, ms (20 / 8 per step) | 0.500 | 0.100 | 100.00 µs |" in text
 
 
+def test_host_cost_times_a_baseline_checkout_in_the_same_rounds(capsys, tmp_path):
+    """``--baseline PATH``: a third column, ddp_fusion from another checkout, after the
+    floor's; each other mode's per-round ratio and difference to the first; a path
+    without ddp_fusion is refused."""
+    from bench import host_cost
+
+    with pytest.raises(SystemExit):
+        host_cost.main(["--baseline", str(tmp_path)])
+    assert "no ddp_fusion package" in capsys.readouterr().err
+    lines = host_cost.ratio_lines({"ddp_fusion": [9.0, 10.0, 12.0], "compiled_autograd": [6.0, 5.0, 6.0],
+                                   host_cost.BASELINE: [10.0, 9.0, 13.0]})
+    assert lines.splitlines() == [
+        "  ddp_fusion / compiled_autograd per round: median 2.000 (1.500-2.000); difference +5.00 ms, "
+        "ddp_fusion ahead in 0 of 3",
+        "  ddp_fusion / ddp_fusion@baseline per round: median 0.923 (0.900-1.111); difference -1.00 ms, "
+        "ddp_fusion ahead in 2 of 3",
+    ]
+    result = {"params": 4, "step_ms": 2.0, "guard_us": {"forward": 10.0, "backward": 30.0},
+              "wrapper_ms": None}
+    text = host_cost.table([{**result, "mode": "ddp_fusion"},
+                            {**result, "mode": host_cost.BASELINE, "step_ms": 3.0},
+                            {**result, "mode": "compiled_autograd", "step_ms": 1.0}])
+    assert text.splitlines()[0] == (
+        "| | ddp_fusion | compiled_autograd | ddp_fusion@baseline | difference per parameter |")
+    assert "| step, ms (median of round medians) | 2.000 | 1.000 | 3.000 | 250.00 µs |" in text
+
+
 def test_step_time_reports_host_cpu_per_step_against_the_modes_own_floor():
     from bench._lib import jobs, report
 
