@@ -90,7 +90,8 @@ class _HookData:
     reaches the same object through each hook's own closure, which Dynamo guards with
     one aliasing check per hook and object, in Python (1,600 of them, ~40 % of the step,
     on a model of 400 parameters). Read through ``_hook_data[model_id]``, every hook
-    reaches them by the same path, guarded once; a hook's closure holds two ints."""
+    reaches them by the same path, guarded once; what is a hook's own, its traced form
+    reads from one string (:func:`_traced_hook`)."""
 
     state: SyncState
     reducer: EagerReducer
@@ -106,42 +107,80 @@ class _HookData:
 _hook_data: dict[int, _HookData] = {}
 
 
-def _make_hook(model_id: int, index: int):
+def _make_hook(model_id: int, index: int, tag: str):
+    """Parameter ``index``'s hook. ``tag`` (:func:`_tag`) is all that its traced form
+    reads of the parameter's own: the model's :meth:`GradSync.retag` sets it again when
+    what it holds changes (the ready order learned), which Dynamo's guard on it sees."""
     def reduce_grad(param: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            _traced_hook(param, tag)
+            return
         data = _hook_data[model_id]
         state = data.state
         if not state.require_backward_grad_sync:
             if data.unsynced is not None and param.grad is not None:
                 # find_unused_parameters: used in a backward that does not reduce
                 # (no_sync()); eager DDP counts it as used at the next that does
-                # (unused.py). Compiled, a side effect Dynamo replays after the graph.
+                # (unused.py).
                 data.unsynced.marks[index] = True
                 data.unsynced.dirty = True
             return
         if param.grad is None:
-            return
-        if torch.compiler.is_compiling():
-            # Traced by compiled autograd: one tagged all-reduce, fused by the pass.
-            # A DTensor gradient: reduce its local shard over the data-parallel group.
-            grad = _torch.tensors.local_tensor(param.grad)
-            ready = (state.ready_position[index] if state.ready_position is not None
-                     else READY_NOT_LEARNED if state.ready_failed else READY_UNKNOWN)
-            # The reduced gradient goes into .grad, which stays the same tensor: as
-            # under torch DDP, code that keeps a .grad (zero_grad(set_to_none=False),
-            # accumulation) sees every step's reduced gradient. The pass turns this
-            # copy into the bucket's own memory: a .grad made in this backward becomes
-            # a view of the reduced bucket (no copy), and a bucket of .grads that
-            # existed before it is reduced in place in them (passes/in_place.py).
-            grad.copy_(ALL_REDUCE_GRADIENT(
-                grad, data.group_name, state.reduce_op, data.limits, data.names[index],
-                state.comm_dtype, ready, model_id,
-            ))
             return
         if config.enabled and (state.compiled or state.compiled_while_disabled or not state.forwarded):
             _warn_unfused(state)
         data.reducer.grad_ready(index)
 
     return reduce_grad
+
+
+def _tag(model_id: int, index: int, name: str, state: SyncState) -> str:
+    """What a parameter's hook passes to the pass, as one string (see
+    :func:`_traced_hook`): its model, index, position in the ready order, and name."""
+    ready = (state.ready_position[index] if state.ready_position is not None
+             else READY_NOT_LEARNED if state.ready_failed else READY_UNKNOWN)
+    return f"{model_id}:{index}:{ready}:{name}"
+
+
+def _traced_hook(param: torch.Tensor, tag: str) -> None:
+    """A gradient hook as compiled autograd traces it (the hook's eager form: the eager
+    bucketed reducer).
+
+    Compiled autograd traces all of a backward's hooks into one graph, and Dynamo guards,
+    at every backward, each value a hook reads. What is the same for every hook of a
+    model is read through ``_hook_data[model_id]`` (one path, guarded once); what is a
+    parameter's own comes from the one closure cell ``tag`` (one string: per hook 5 guard
+    nodes and 2 checks, the hook's code and the string, where a guard on each of its
+    model id, index, name and ready position made 8 and 5)."""
+    model_id, index, ready, name = _untag(tag)
+    data = _hook_data[model_id]
+    state = data.state
+    if not state.require_backward_grad_sync:
+        if data.unsynced is not None and param.grad is not None:
+            # find_unused_parameters, no_sync(): as in the eager hook; a side effect
+            # Dynamo replays after the graph
+            data.unsynced.marks[index] = True
+            data.unsynced.dirty = True
+        return
+    if param.grad is None:
+        return
+    # One tagged all-reduce, fused by the pass. A DTensor gradient: reduce its local
+    # shard over the data-parallel group.
+    grad = _torch.tensors.local_tensor(param.grad)
+    # The reduced gradient goes into .grad, which stays the same tensor: as under torch
+    # DDP, code that keeps a .grad (zero_grad(set_to_none=False), accumulation) sees
+    # every step's reduced gradient. The pass turns this copy into the bucket's own
+    # memory: a .grad made in this backward becomes a view of the reduced bucket (no
+    # copy), and a bucket of .grads that existed before it is reduced in place in them
+    # (passes/in_place.py).
+    grad.copy_(ALL_REDUCE_GRADIENT(
+        grad, data.group_name, state.reduce_op, data.limits, name, state.comm_dtype, ready, model_id,
+    ))
+
+
+def _untag(tag: str) -> tuple[int, int, int, str]:
+    model_id, index, ready, name = tag.split(":", 3)
+    return int(model_id), int(index), int(ready), name
 
 
 def _warn_unfused(state: SyncState) -> None:
@@ -277,6 +316,7 @@ def _learn_ready_order(sync: GradSync, inputs: Any) -> None:
             position[i] = rank
         sync.state.ready_position = tuple(position)
     sync.state.ready_learned = True
+    sync.retag()
 
 
 def _learn_here(sync: GradSync, inputs: Any) -> tuple[list[int] | None, Any, str | None, str | None]:
@@ -484,8 +524,10 @@ class GradSync:
         orders = register_element_orders(self.model_id, params)
         data = _hook_data[self.model_id] = _HookData(self.state, self.reducer, group.group_name, limits,
                                                      tuple(self.names), unsynced)
-        self.handles = [p.register_post_accumulate_grad_hook(_make_hook(self.model_id, i))
-                        for i, (_, p) in enumerate(params)]
+        self.hooks = [_make_hook(self.model_id, i, _tag(self.model_id, i, self.names[i], self.state))
+                      for i in range(len(params))]
+        self.handles = [p.register_post_accumulate_grad_hook(hook)
+                        for (_, p), hook in zip(params, self.hooks)]
         me = weakref.ref(model)
         for _, p in params:
             _models[p] = me
@@ -505,6 +547,13 @@ class GradSync:
                 ", find_unused_parameters" if find_unused_parameters else "",
                 f", comm dtype {comm_dtype}" if comm_dtype else "",
             )
+
+    def retag(self) -> None:
+        """Set each hook's tag again from the model's state (after the ready order is
+        learned): the next backward's guards see the change and recompile it."""
+        for i, hook in enumerate(self.hooks):
+            cell = hook.__closure__[hook.__code__.co_freevars.index("tag")]
+            cell.cell_contents = _tag(self.model_id, i, self.names[i], self.state)
 
     def link(self) -> tuple[autocap.Link, bool] | str | None:
         """For ``auto``: the link to plan for (``config.link`` if set, else the one
