@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _torch, autocap, comm_hooks, effects, host_group, join, ready_order, settings_check, unused
 from .config import config
 from .log import log
-from .ops import ALL_REDUCE_GRADIENT, HOOK, READY_NOT_LEARNED, READY_UNKNOWN
+from .ops import ALL_REDUCE_GRADIENT, HOOK, READY_NOT_LEARNED, READY_UNKNOWN, forget_runs
 from .plan import MiB, dims_in_memory, forget_element_orders, register_element_orders
 from .reducer import EagerReducer
 
@@ -382,6 +382,7 @@ def _release(handles: list[Any], params: list[torch.Tensor], model_id: int,
     if layout is not None:
         unused.unregister(model_id, layout)
     forget_element_orders(model_id, orders)
+    forget_runs(model_id)
     for h in handles:
         h.remove()
     for p in params:

@@ -296,8 +296,18 @@ def _one_run(grads: list[torch.Tensor], layout: str = "") -> torch.Tensor | None
 
 
 # a bucket's layout, named by the pass -> the pointers of its .grads and their bytes when
-# last found one run (one entry per bucket of a compiled graph with static .grads)
+# last found one run (one entry per bucket of a compiled graph with static .grads; a
+# model's go with it: forget_runs)
 _runs: dict[str, tuple[tuple[int, ...], int]] = {}
+
+
+def forget_runs(model_id: int) -> None:
+    """Drop the one-run entries of ``model_id``'s buckets (its layouts' names start with
+    it, passes/in_place.py): when the model is released. (A model made again with the
+    same id walks its ``.grad``s once more.)"""
+    prefix = f"{model_id}/"
+    for layout in [k for k in _runs if k.startswith(prefix)]:
+        del _runs[layout]
 
 
 # -- a bucket's collective and its wait (passes/concat.py, passes/coalesced.py) -----------

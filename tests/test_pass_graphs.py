@@ -799,6 +799,12 @@ def test_a_named_layout_is_checked_for_one_run_once_per_pointers(monkeypatch):
     counts = counters["ddp_fusion"]
     assert (counts["in place: one run"], counts["in place: gathered"]) == (2, 2)
     assert flat.tolist() == list(range(7)) and apart[1].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    # a released model's entries go with it (names start with its id), no other's
+    in_place(apart, "0", "concat", "7/0/bucket0/2/0")
+    wait(apart)
+    ops.forget_runs(7)
+    assert "7/0/bucket0/2/0" not in ops._runs and "test/one-run" in ops._runs
+    del ops._runs["test/one-run"]
 
 
 def test_off_the_cpu_grads_move_only_where_each_keeps_16_byte_alignment():
