@@ -117,15 +117,7 @@ def _make_hook(model_id: int, index: int, tag: str):
             return
         data = _hook_data[model_id]
         state = data.state
-        if not state.require_backward_grad_sync:
-            if data.unsynced is not None and param.grad is not None:
-                # find_unused_parameters: used in a backward that does not reduce
-                # (no_sync()); eager DDP counts it as used at the next that does
-                # (unused.py).
-                data.unsynced.marks[index] = True
-                data.unsynced.dirty = True
-            return
-        if param.grad is None:
+        if _not_syncing(data, param, index) or param.grad is None:
             return
         if config.enabled and (state.compiled or state.compiled_while_disabled or not state.forwarded):
             _warn_unfused(state)
@@ -155,14 +147,7 @@ def _traced_hook(param: torch.Tensor, tag: str) -> None:
     model_id, index, ready, name = _untag(tag)
     data = _hook_data[model_id]
     state = data.state
-    if not state.require_backward_grad_sync:
-        if data.unsynced is not None and param.grad is not None:
-            # find_unused_parameters, no_sync(): as in the eager hook; a side effect
-            # Dynamo replays after the graph
-            data.unsynced.marks[index] = True
-            data.unsynced.dirty = True
-        return
-    if param.grad is None:
+    if _not_syncing(data, param, index) or param.grad is None:
         return
     # One tagged all-reduce, fused by the pass. A DTensor gradient: reduce its local
     # shard over the data-parallel group.
@@ -176,6 +161,19 @@ def _traced_hook(param: torch.Tensor, tag: str) -> None:
     grad.copy_(ALL_REDUCE_GRADIENT(
         grad, data.group_name, state.reduce_op, data.limits, name, state.comm_dtype, ready, model_id,
     ))
+
+
+def _not_syncing(data: _HookData, param: torch.Tensor, index: int) -> bool:
+    """Whether this backward does not reduce (``no_sync()``). Then, with
+    ``find_unused_parameters``, a parameter with a gradient is marked used: eager DDP
+    counts it as used at the next backward that reduces (unused.py). Traced, the marks
+    are a side effect Dynamo replays after the graph."""
+    if data.state.require_backward_grad_sync:
+        return False
+    if data.unsynced is not None and param.grad is not None:
+        data.unsynced.marks[index] = True
+        data.unsynced.dirty = True
+    return True
 
 
 def _untag(tag: str) -> tuple[int, int, int, str]:
