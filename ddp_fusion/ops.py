@@ -175,10 +175,9 @@ def _wait_in_place(grads: list[torch.Tensor]) -> None:
     """Wait for ``all_reduce_in_place`` of the same tensors (and copy a gathered bucket
     back): one wait for a ``concat`` bucket, one per storage for ``coalesced`` (the
     functional collectives keep a collective's work by storage)."""
-    c10d = _torch.distributed.c10d_functional
     run, gathered = _in_flight.pop(id(grads[0]), (None, False))
     if run is not None:
-        c10d.wait_tensor(run)
+        _torch.distributed.wait_tensor(run)
         if not gathered:
             return
         if _movable(grads, run):
@@ -196,7 +195,7 @@ def _wait_in_place(grads: list[torch.Tensor]) -> None:
         key = g.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
-            c10d.wait_tensor(g)
+            _torch.distributed.wait_tensor(g)
 
 
 def _movable(grads: list[torch.Tensor], run: torch.Tensor) -> bool:
@@ -350,7 +349,7 @@ def _wait_bucket(tensors: list[torch.Tensor]) -> None:
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
-            _torch.distributed.c10d_functional.wait_tensor(t)
+            _torch.distributed.wait_tensor(t)
 
 
 for _name, _impl in (("all_reduce_bucket", _all_reduce_bucket),

@@ -807,6 +807,41 @@ def test_a_named_layout_is_checked_for_one_run_once_per_pointers(monkeypatch):
     del ops._runs["test/one-run"]
 
 
+def test_the_ops_wait_below_the_python_autograd_kernel_of_wait_tensor():
+    """Issue 36: ``torch.distributed._functional_collectives`` registers a Python autograd
+    kernel for ``_c10d_functional.wait_tensor``, which a call from Python runs through
+    (about 3.4 us). ddp_fusion's ops wait below autograd: once per bucket, and once per
+    tensor of a ``coalesced`` bucket of separate tensors."""
+    import sys
+
+    import torch.distributed._functional_collectives  # noqa: F401 (registers the kernel)
+
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "autograd_impl":
+            calls.append(frame.f_code.co_filename)
+
+    def run(ops):
+        sys.setprofile(profile)
+        try:
+            ops()
+        finally:
+            sys.setprofile(None)
+
+    c10d, ddp = torch.ops._c10d_functional, torch.ops.ddp_fusion
+    flat, tensors = torch.ones(5), [torch.ones(3), torch.ones(2, 2)]
+    run(lambda: (c10d.all_reduce_(flat, "sum", "0"), c10d.wait_tensor(flat)))
+    assert calls, "the control: called from Python, wait_tensor runs the Python kernel"
+    calls.clear()
+    run(lambda: (ddp.all_reduce_bucket(flat, "0"), ddp.wait_bucket([flat]),
+                 ddp.all_reduce_bucket_coalesced(tensors, "0"), ddp.wait_bucket(tensors),
+                 ddp.all_reduce_in_place(tensors, "0", "coalesced"), ddp.wait_in_place(tensors),
+                 ddp.all_reduce_in_place(tensors, "0", "concat"), ddp.wait_in_place(tensors)))
+    assert calls == []
+    assert flat.tolist() == [1.0] * 5 and tensors[1].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
 def test_off_the_cpu_grads_move_only_where_each_keeps_16_byte_alignment():
     """Inductor may assume its GPU inputs 16-byte aligned (and copy any that is not, every
     step): a bucket whose move would put a ``.grad`` at an unaligned address keeps its

@@ -32,6 +32,8 @@ REQUIRED = (
     "torch.ops._c10d_functional.all_reduce_",
     "torch.ops._c10d_functional.all_reduce_coalesced_",
     "torch.ops._c10d_functional.wait_tensor",
+    "torch.ops._c10d_functional.wait_tensor.default",
+    "torch._C._AutoDispatchBelowAutograd",
     "torch.testing._internal.distributed.fake_pg.FakeStore",
 )
 
@@ -50,6 +52,21 @@ UNCHECKED = {
 #: The functional collectives' ops (``all_reduce``, ``all_reduce_coalesced``,
 #: ``wait_tensor``): what fused graphs hold, and Inductor lowers.
 c10d_functional = torch.ops._c10d_functional
+
+
+def wait_tensor(tensor: torch.Tensor) -> None:
+    """Wait for the functional collective issued on ``tensor``'s storage, as
+    ``_c10d_functional.wait_tensor`` does, but below autograd: importing
+    ``torch.distributed._functional_collectives`` registers a Python autograd kernel for
+    that op, which every call from Python then runs through (about 3.4 us of 5 a call
+    on this project's CPU). ddp_fusion's ops wait on gradients, which are never
+    differentiated; and they wait once per bucket, or once per tensor for a
+    ``coalesced`` bucket of separate tensors."""
+    with torch._C._AutoDispatchBelowAutograd():
+        _wait_tensor(tensor)
+
+
+_wait_tensor = torch.ops._c10d_functional.wait_tensor.default
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup | None:
