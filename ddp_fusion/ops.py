@@ -177,7 +177,7 @@ def _wait_in_place(grads: list[torch.Tensor]) -> None:
     functional collectives keep a collective's work by storage)."""
     run, gathered = _in_flight.pop(id(grads[0]), (None, False))
     if run is not None:
-        _torch.distributed.wait_tensor(run)
+        _torch.distributed.wait_tensors((run,))
         if not gathered:
             return
         if _movable(grads, run):
@@ -190,12 +190,7 @@ def _wait_in_place(grads: list[torch.Tensor]) -> None:
             for g, part in zip(grads, run.split([g.numel() for g in grads])):
                 _memory(g).copy_(part)
         return
-    seen = set()
-    for g in grads:
-        key = g.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            _torch.distributed.wait_tensor(g)
+    _torch.distributed.wait_tensors(grads)
 
 
 def _movable(grads: list[torch.Tensor], run: torch.Tensor) -> bool:
@@ -344,12 +339,7 @@ def _all_reduce_bucket_coalesced(tensors: list[torch.Tensor], group_name: str) -
 def _wait_bucket(tensors: list[torch.Tensor]) -> None:
     """Wait for the collective issued on ``tensors`` (the functional collectives keep a
     collective's work by storage)."""
-    seen = set()
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            _torch.distributed.wait_tensor(t)
+    _torch.distributed.wait_tensors(tensors)
 
 
 for _name, _impl in (("all_reduce_bucket", _all_reduce_bucket),

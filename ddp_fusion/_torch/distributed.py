@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,16 +54,18 @@ UNCHECKED = {
 c10d_functional = torch.ops._c10d_functional
 
 
-def wait_tensor(tensor: torch.Tensor) -> None:
-    """Wait for the functional collective issued on ``tensor``'s storage, as
-    ``_c10d_functional.wait_tensor`` does, but below autograd: importing
+def wait_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait for the functional collectives issued on ``tensors``' storages, as
+    ``_c10d_functional.wait_tensor`` on each does, but below autograd: importing
     ``torch.distributed._functional_collectives`` registers a Python autograd kernel for
     that op, which every call from Python then runs through (about 3.4 us of 5 a call
     on this project's CPU). ddp_fusion's ops wait on gradients, which are never
-    differentiated; and they wait once per bucket, or once per tensor for a
-    ``coalesced`` bucket of separate tensors."""
+    differentiated, once per bucket or once per tensor of a ``coalesced`` bucket. The
+    functional collectives keep a collective's work by storage: the first tensor of a
+    storage waits for it, later ones find none (a lookup)."""
     with torch._C._AutoDispatchBelowAutograd():
-        _wait_tensor(tensor)
+        for tensor in tensors:
+            _wait_tensor(tensor)
 
 
 _wait_tensor = torch.ops._c10d_functional.wait_tensor.default
