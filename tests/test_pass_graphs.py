@@ -766,6 +766,7 @@ def test_gathered_grads_move_into_their_bucket_only_where_they_own_their_memory(
 
 
 @pytest.mark.usefixtures("fake_pg")
+@pytest.mark.usefixtures("fake_pg")
 def test_a_named_layout_is_checked_for_one_run_once_per_pointers(monkeypatch):
     """Issue 36: a bucket whose kept ``.grad``s have static sizes and strides comes with
     the pass's name for them; the op walks the ``.grad``s' sizes and strides once per
@@ -807,6 +808,25 @@ def test_a_named_layout_is_checked_for_one_run_once_per_pointers(monkeypatch):
     del ops._runs["test/one-run"]
 
 
+@pytest.mark.usefixtures("fake_pg")
+def test_a_coalesced_in_place_bucket_views_only_its_non_contiguous_grads(monkeypatch):
+    """Issue 36: ``all_reduce_coalesced_`` takes a contiguous ``.grad`` of any shape, so the
+    in-place op passes those as they are; only a dense ``.grad`` in another memory order
+    (channels-last) goes through its 1-D view of memory."""
+    from ddp_fusion import ops
+
+    viewed = []
+    memory = ops._memory
+    monkeypatch.setattr(ops, "_memory", lambda t: viewed.append(t) or memory(t))
+    grads = [torch.ones(3, 4), torch.ones(5),
+             torch.ones(2, 3, 4, 4).to(memory_format=torch.channels_last)]
+    torch.ops.ddp_fusion.all_reduce_in_place(grads, "0", "coalesced")
+    torch.ops.ddp_fusion.wait_in_place(grads)
+    assert [t is grads[2] for t in viewed] == [True]
+    assert all(bool((g == 1).all()) for g in grads)
+
+
+@pytest.mark.usefixtures("fake_pg")
 def test_the_ops_wait_below_the_python_autograd_kernel_of_wait_tensor():
     """Issue 36: ``torch.distributed._functional_collectives`` registers a Python autograd
     kernel for ``_c10d_functional.wait_tensor``, which a call from Python runs through
