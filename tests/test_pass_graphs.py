@@ -766,7 +766,6 @@ def test_gathered_grads_move_into_their_bucket_only_where_they_own_their_memory(
 
 
 @pytest.mark.usefixtures("fake_pg")
-@pytest.mark.usefixtures("fake_pg")
 def test_a_named_layout_is_checked_for_one_run_once_per_pointers(monkeypatch):
     """Issue 36: a bucket whose kept ``.grad``s have static sizes and strides comes with
     the pass's name for them; the op walks the ``.grad``s' sizes and strides once per

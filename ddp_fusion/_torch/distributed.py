@@ -52,6 +52,7 @@ UNCHECKED = {
 #: The functional collectives' ops (``all_reduce``, ``all_reduce_coalesced``,
 #: ``wait_tensor``): what fused graphs hold, and Inductor lowers.
 c10d_functional = torch.ops._c10d_functional
+_wait_tensor = c10d_functional.wait_tensor.default
 
 
 def wait_tensors(tensors: Sequence[torch.Tensor]) -> None:
@@ -66,9 +67,6 @@ def wait_tensors(tensors: Sequence[torch.Tensor]) -> None:
     with torch._C._AutoDispatchBelowAutograd():
         for tensor in tensors:
             _wait_tensor(tensor)
-
-
-_wait_tensor = torch.ops._c10d_functional.wait_tensor.default
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup | None:
