@@ -45,6 +45,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     rank 0 at construction, and buffers again at each forward that follows a forward
     with gradient sync (``broadcast_buffers=True``, as torch DDP). ``.module`` is
     the wrapped module; ``no_sync()`` skips gradient reduction inside its block.
+    Parameters and buffers named by torch DDP's
+    ``_set_params_and_buffers_to_ignore_for_model`` are neither broadcast nor reduced.
     Without ``torch.compile`` (or with the pass off) gradients go through an eager
     bucketed reducer with the same bucket limits, overlapping communication with the
     rest of backward. ``comm_dtype`` (alias ``reduce_dtype``) all-reduces gradients in
@@ -133,7 +135,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         # with "auto": DDP's default until the first compiled forward chooses (autocap.py)
         self.bucket_bytes_limits = ddp_bucket_limits(None if auto else bucket_cap_mb, bucket_cap_mb_list)
 
-        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # as torch DDP: names marked by _set_params_and_buffers_to_ignore_for_model are
+        # neither broadcast nor reduced (each rank keeps its own)
+        self.parameters_to_ignore = _torch.ddp.module_ignored_names(module)
+        ignored = self.parameters_to_ignore
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
         if not params:
             raise ValueError("DistributedDataParallel: module has no parameter that requires grad")
         for n, p in params:
@@ -164,7 +170,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             auto,
             {"broadcast_buffers": broadcast_buffers},
         )
-        broadcast([t.detach() for t in (*module.parameters(), *module.buffers())], self.process_group)
+        self._sync.ignored = ignored
+        broadcast(
+            [t.detach() for n, t in (*module.named_parameters(), *module.named_buffers()) if n not in ignored],
+            self.process_group,
+        )
         # Hooks hold no reference to the wrapper; once it is garbage, they go with it,
         # and the bare module trains locally again.
         self._state = self._sync.state
@@ -249,4 +259,6 @@ class DistributedDataParallel(nn.Module, Joinable):
 def _wrapper_buffers(wrapper: DistributedDataParallel | None) -> list[torch.Tensor] | None:
     if wrapper is None or not wrapper.broadcast_buffers:
         return None
+    if wrapper.parameters_to_ignore:
+        return [b for n, b in wrapper.module.named_buffers() if n not in wrapper.parameters_to_ignore]
     return list(wrapper.module.buffers())

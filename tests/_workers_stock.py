@@ -129,4 +129,27 @@ def stock_ddp(rank, world_size):
             "max_diff": _max_diff(ddp.module.parameters(), ref.module.parameters()),
             "comm_dtype": str(ddp._ddp_fusion.state.comm_dtype),
         }
+
+    # 5. Parameters and buffers marked to be ignored by DDP
+    # (_set_params_and_buffers_to_ignore_for_model) are neither broadcast (at
+    # construction, at forwards) nor reduced: each rank keeps its own.
+    def marked():
+        net = BNNet()
+        with torch.no_grad():
+            net.b.weight += rank  # differs per rank, and stays so
+        stock._set_params_and_buffers_to_ignore_for_model(net, ["b.weight", "bn.running_mean"])
+        return net
+
+    ref = stock(marked())
+    _train(ref, bn_batches)
+    for kind, make in (("stock", stock), ("wrapper", ddp_fusion.DistributedDataParallel)):
+        torch._dynamo.reset()
+        with ddp_fusion.config.patch(enabled=True):
+            model = make(marked())
+            _train(torch.compile(model), bn_batches)
+        out[f"ignored_{kind}"] = {
+            "params": _max_diff(model.module.parameters(), ref.module.parameters()),
+            "buffers": _max_diff(model.module.buffers(), ref.module.buffers()),
+            "b_weight_from_rank_0": _max_diff([model.module.b.weight], [marked().b.weight - rank]),
+        }
     return out

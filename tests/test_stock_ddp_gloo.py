@@ -1,7 +1,7 @@
 """Stock torch DDP under the flag (issue 13) on 2 gloo ranks, against the same model
 under eager torch DDP: a torchrun-style compiled script, buffers broadcast at each
 forward (stock and wrapper), no_sync + find_unused_parameters on a non-world group,
-torch's fp16/bf16 compress hooks."""
+torch's fp16/bf16 compress hooks, parameters and buffers marked to be ignored."""
 
 import pytest
 
@@ -51,3 +51,15 @@ def test_torch_compress_hooks_match_eager_ddp_with_the_hook(results, hook):
         got = r[f"hook_{hook}"]
         assert got["comm_dtype"] == f"torch.{'float16' if hook == 'fp16' else 'bfloat16'}"
         assert got["max_diff"] < 1e-6, got
+
+
+@pytest.mark.parametrize("kind", ["stock", "wrapper"])
+def test_parameters_and_buffers_marked_ignored_stay_each_ranks_own(results, kind):
+    """``b.weight`` starts 1 apart on the two ranks and ``bn.running_mean`` is fed data
+    scaled per rank: eager torch DDP neither broadcasts nor reduces them (nor the
+    running mean at forwards), and neither may ddp_fusion, compiled."""
+    for rank, r in enumerate(results):
+        got = r[f"ignored_{kind}"]
+        assert got["params"] < 1e-5 and got["buffers"] < 1e-5, (kind, got)
+        if rank == 1:  # the rank whose own value a broadcast would overwrite
+            assert got["b_weight_from_rank_0"] > 0.5, (kind, got)

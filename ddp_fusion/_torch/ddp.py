@@ -176,6 +176,13 @@ def detach_cpp_reducer(ddp: Any) -> None:
     ddp.reducer, ddp.logger = reducer, logger  # (the reducer keeps the placeholder)
 
 
+def module_ignored_names(module: torch.nn.Module) -> set[str]:
+    """Parameter and buffer names a module was marked to have DDP ignore
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``), as torch
+    DDP's constructor reads them: neither broadcast nor reduced."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
 def ignored_names(ddp: Any) -> AbstractSet[str]:
     """Parameter and buffer names DDP was told to ignore
     (``_set_params_and_buffers_to_ignore_for_model``): DDP's own set, not a copy (for
