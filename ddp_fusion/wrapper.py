@@ -171,10 +171,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             {"broadcast_buffers": broadcast_buffers},
         )
         self._sync.ignored = ignored
-        broadcast(
-            [t.detach() for n, t in (*module.named_parameters(), *module.named_buffers()) if n not in ignored],
-            self.process_group,
-        )
+        named = (*module.named_parameters(), *module.named_buffers())
+        broadcast([t.detach() for n, t in named if n not in ignored], self.process_group)
         # Hooks hold no reference to the wrapper; once it is garbage, they go with it,
         # and the bare module trains locally again.
         self._state = self._sync.state
