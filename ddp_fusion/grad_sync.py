@@ -18,6 +18,9 @@ runs compiled keeps the eager bucketed reducer: eager DDP's speed, no compile.
 A model has one id (``GradSync.model_id``), carried by every tagged all-reduce its hooks
 make: a hash of its parameter names and group, so that it is the same in every process
 and for a re-created model (graphs stay cacheable), made unique among live models.
+Dynamo may run a re-created model's forward with the code it traced for the model that
+had its id before (its guards pass: the same program), where the first-forward work
+above never runs: the re-created model takes what that one learned (:class:`_Learned`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class SyncState:
     every rank takes): buckets follow the graph's order, as was warned then."""
     settings_checked: bool = False
     """The settings were compared across the ranks at the first forward."""
+    inherited: bool = False
+    """The fields above came from the model that had this id before (:class:`_Learned`),
+    until this model's own first forward checks run (if they do)."""
     failed: BaseException | None = None
     """What the first forward's checks raised: raised again at every forward (the
     model's ranks disagree; it cannot train)."""
@@ -105,6 +111,31 @@ class _HookData:
 
 # model id -> what its hooks read (removed with the model)
 _hook_data: dict[int, _HookData] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Learned:
+    """What a model's first compiled forward learned, kept by model id for a model made
+    again with the same id (the same parameter names and group, the last one released).
+
+    Its first-forward work (:func:`_on_forward`) runs when Dynamo traces the forward, and
+    Dynamo may instead run the code it traced for the model before (a k-fold loop, a
+    sweep: its guards pass, the same program), so the work never runs for the new one,
+    which would then bucket in the graph's order, and look uncompiled to ``join()``. A
+    model made again takes these instead, on every rank alike (the record is group rank
+    0's order, as every rank took it), and its first forward runs no collective check;
+    the checks at construction and the per-step plan check still run."""
+
+    ready_position: tuple[int, ...] | None
+    ready_failed: bool
+    limits: tuple[int, ...]
+    sizing: Any
+    settings: tuple[bool, bool]
+    """(find_unused_parameters, bucket_cap_mb="auto"): taken only by a model with the same."""
+
+
+# model id -> what the last model with that id learned at its first compiled forward
+_learned: dict[int, _Learned] = {}
 
 
 def _make_hook(model_id: int, index: int, tag: str):
@@ -241,6 +272,12 @@ def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
     if not traced and state.holds_compiled_code is None:
         state.holds_compiled_code = _torch.dynamo.holds_compiled_code(sync.module)
     compiled = traced or bool(state.holds_compiled_code)
+    if state.inherited:
+        # this model's own first forward: it keeps the learned order (every rank took
+        # it alike), but not "compiled" where it does not run compiled and fused
+        state.inherited = False
+        if not (compiled and config.enabled):
+            state.compiled = False
     if not state.settings_checked:
         state.settings_checked = True
         settings_check.check(sync.host, sync.who, "at their first forward", sync.forward_settings(compiled))
@@ -255,6 +292,11 @@ def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
     effects.want(effects.COMPILED_AUTOGRAD)
     if not state.ready_learned and torch.is_grad_enabled():
         _learn_ready_order(sync, inputs)
+    if state.ready_learned:
+        _learned[sync.model_id] = _Learned(
+            state.ready_position, state.ready_failed, tuple(sync.limits), sync.sizing,
+            (sync.layout is not None, sync.auto),
+        )
 
 
 def _raise_failed(state: SyncState) -> None:
@@ -356,6 +398,19 @@ def _model_id(names: list[str], group_name: str) -> int:
         if ref is None or ref() is None:
             return model_id
     raise AssertionError("unreachable")
+
+
+def not_copyable(who: str) -> TypeError:
+    """What ``copy.deepcopy`` or ``pickle`` of a model reducing with ddp_fusion raises,
+    in place of an error about whichever of its objects fails to pickle first. (torch
+    DDP's copy builds a reducer of its own; ddp_fusion's construction is collective, so
+    a copy made on some ranks only could not build one.)"""
+    return TypeError(
+        f"{who}: a model that reduces its gradients with ddp_fusion cannot be copied or "
+        "pickled (its gradient hooks, process group and per-step checks are this "
+        "model's). Copy or save what it wraps instead: copy.deepcopy(model.module) (for "
+        "an EMA copy, say) or model.state_dict()"
+    )
 
 
 def _check_not_hooked(params: list[tuple[str, torch.Tensor]], who: str) -> None:
@@ -520,6 +575,7 @@ class GradSync:
                        if find_unused_parameters else None)
         unsynced = self.layout.unsynced if self.layout is not None else None
         self.reducer.unsynced = unsynced
+        self._take_learned(_learned.get(self.model_id))
         orders = register_element_orders(self.model_id, params)
         data = _hook_data[self.model_id] = _HookData(self.state, self.reducer, group.group_name, limits,
                                                      tuple(self.names), unsynced)
@@ -546,6 +602,20 @@ class GradSync:
                 ", find_unused_parameters" if find_unused_parameters else "",
                 f", comm dtype {comm_dtype}" if comm_dtype else "",
             )
+
+    def _take_learned(self, learned: _Learned | None) -> None:
+        """Take what the model that had this id before learned at its first compiled
+        forward (:class:`_Learned`), if it had the same settings."""
+        if learned is None or learned.settings != (self.layout is not None, self.auto):
+            return
+        if learned.ready_position is not None and len(learned.ready_position) != len(self.names):
+            return  # (a hash collision)
+        state = self.state
+        state.ready_position, state.ready_failed = learned.ready_position, learned.ready_failed
+        state.ready_learned = state.settings_checked = state.compiled = state.inherited = True
+        if self.auto and learned.sizing is not None:
+            self.limits[:] = learned.limits
+            self.sizing = learned.sizing
 
     def retag(self) -> None:
         """Set each hook's tag again from the model's state (after the ready order is

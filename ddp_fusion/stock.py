@@ -47,7 +47,7 @@ from torch import nn
 from . import _torch, ready_order
 from .autocap import AUTO
 from .config import config
-from .grad_sync import GradSync
+from .grad_sync import GradSync, not_copyable
 from .log import log
 from .plan import ddp_bucket_limits
 
@@ -167,6 +167,9 @@ class _Behaviour(_torch.ddp.AdoptedBehaviour):
 
     def join_hook(self, ddp: Any, **kwargs: Any) -> Any:
         return ddp._ddp_fusion.join_hook(**kwargs)
+
+    def reduce_ex(self, ddp: Any, protocol: int) -> Any:
+        raise not_copyable(WHO)
 
 
 def _buffers(ddp: Any) -> list | None:

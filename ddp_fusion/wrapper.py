@@ -27,7 +27,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from . import _torch
 from .autocap import AUTO
 from .config import check_env
-from .grad_sync import GradSync, broadcast
+from .grad_sync import GradSync, broadcast, not_copyable
 from .ops import default_group
 from .plan import ddp_bucket_limits
 
@@ -204,6 +204,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._sync.before_forward(args, kwargs, _wrapper_buffers(self), self, None)
         return self.module(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise not_copyable("DistributedDataParallel")
 
     def join(
         self,

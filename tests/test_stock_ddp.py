@@ -223,3 +223,17 @@ def test_upstreams_python_reducer_and_the_flag_refuse_each_other(enabled):
         with pytest.raises(ValueError, match="optimize_ddp is 'python_reducer'.*ddp_fusion replaces"):
             DDP(_net())
     assert not _torch.inductor.config()._fuse_ddp_communication  # refused before torch ran
+
+
+@pytest.mark.parametrize("kind", ["stock", "wrapper"])
+def test_copying_or_pickling_the_model_says_to_copy_its_module(enabled, kind):
+    """torch DDP's copy builds a reducer of its own; ddp_fusion's model refuses, naming
+    what to copy instead (it failed on whichever of its objects did not pickle)."""
+    import copy
+    import pickle
+
+    model = DDP(_net()) if kind == "stock" else ddp_fusion.DistributedDataParallel(_net())
+    for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled.*deepcopy\(model\.module\)"):
+            copier(model)
+    copy.deepcopy(model.module)(torch.randn(2, 8))  # what it says to do works

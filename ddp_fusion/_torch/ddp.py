@@ -254,6 +254,10 @@ class AdoptedBehaviour:
     def join_hook(self, ddp: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def reduce_ex(self, ddp: Any, protocol: int) -> Any:
+        """``copy.deepcopy`` / ``pickle`` of the adopted model."""
+        raise NotImplementedError
+
 
 _adopted_classes: dict[tuple[type, int], type] = {}
 
@@ -287,6 +291,9 @@ def adopted_class(base: type, behaviour: AdoptedBehaviour) -> type:
     def join_hook(self: Any, **kwargs: Any) -> Any:
         return behaviour.join_hook(self, **kwargs)
 
+    def reduce_ex(self: Any, protocol: Any) -> Any:
+        return behaviour.reduce_ex(self, protocol)
+
     cls = type(
         base.__name__,
         (base,),
@@ -299,6 +306,7 @@ def adopted_class(base: type, behaviour: AdoptedBehaviour) -> type:
             "register_comm_hook": register_comm_hook,
             "_register_builtin_comm_hook": _register_builtin_comm_hook,
             "join_hook": join_hook,
+            "__reduce_ex__": reduce_ex,
         },
     )
     _adopted_classes[key] = cls
