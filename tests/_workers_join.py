@@ -2,6 +2,7 @@
 batches, against eager torch DDP with ``join()``."""
 
 import copy
+import gc
 
 import torch
 from torch import nn
@@ -100,6 +101,18 @@ def join_uneven(rank, world_size, kind):
             from torch._dynamo.utils import counters
 
             out["unfused"] = {k: v for k, v in counters["ddp_fusion"].items() if k.startswith("unfused")}
+            # the model made again (a k-fold loop): the same names, so the same model id,
+            # and Dynamo runs the forward it traced for the one before
+            del model, ddp
+            gc.collect()
+            make = nn.parallel.DistributedDataParallel if kind.startswith("stock") else ddp_fusion.DistributedDataParallel
+            ddp = make(copy.deepcopy(base), bucket_cap_mb=0.005)
+            try:
+                _train_joined(torch.compile(ddp), ddp, batches, True)
+                out["made_again"] = max((p - q).abs().max().item()
+                                        for p, q in zip(ddp.module.parameters(), refs[True].parameters()))
+            except RuntimeError as e:
+                out["made_again"] = str(e)
     return out
 
 

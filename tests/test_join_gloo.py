@@ -61,6 +61,16 @@ def test_throw_on_early_termination_raises_on_every_rank(results):
     assert not any(r.get("unfused") for r in ranks), ranks
 
 
+def test_a_compiled_model_made_again_joins_as_the_one_before(results):
+    """The same model made again (its id, and Dynamo's forward code, the one before's)
+    counts as compiled: its joined ranks shadow the fused plan, not the eager reducer's
+    (they raised there, and the active ranks waited out the group's timeout)."""
+    world_size, ranks = results
+    for r in ranks:
+        if "unfused" in r:  # (a compiled case)
+            assert isinstance(r["made_again"], float) and r["made_again"] < 1e-5, r["made_again"]
+
+
 def test_composes_with_zero_redundancy_optimizer():
     diffs = run_ranks(join_with_zero, world_size=2, timeout=600, pg_timeout=120)
     assert max(diffs) < 1e-5, diffs
