@@ -26,6 +26,7 @@ above never runs: the re-created model takes what that one learned (:class:`_Lea
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import weakref
@@ -61,9 +62,10 @@ class SyncState:
     every rank takes): buckets follow the graph's order, as was warned then."""
     settings_checked: bool = False
     """The settings were compared across the ranks at the first forward."""
-    inherited: bool = False
-    """The fields above came from the model that had this id before (:class:`_Learned`),
-    until this model's own first forward checks run (if they do)."""
+    inherited: tuple[Any, ...] | None = None
+    """Set while the fields above are the ones the model that had this id before
+    learned (:class:`_Learned`): what they were before, put back when this model's own
+    first-forward work runs after all (a forward Dynamo traces for it, or eager)."""
     failed: BaseException | None = None
     """What the first forward's checks raised: raised again at every forward (the
     model's ranks disagree; it cannot train)."""
@@ -122,9 +124,9 @@ class _Learned:
     Dynamo may instead run the code it traced for the model before (a k-fold loop, a
     sweep: its guards pass, the same program), so the work never runs for the new one,
     which would then bucket in the graph's order, and look uncompiled to ``join()``. A
-    model made again takes these instead, on every rank alike (the record is group rank
-    0's order, as every rank took it), and its first forward runs no collective check;
-    the checks at construction and the per-step plan check still run."""
+    model made again starts with these (group rank 0's order, as every rank took it);
+    if its own first-forward work runs after all, it starts from scratch there, so the
+    ranks run the same collective checks as for any new model."""
 
     ready_position: tuple[int, ...] | None
     ready_failed: bool
@@ -272,12 +274,8 @@ def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
     if not traced and state.holds_compiled_code is None:
         state.holds_compiled_code = _torch.dynamo.holds_compiled_code(sync.module)
     compiled = traced or bool(state.holds_compiled_code)
-    if state.inherited:
-        # this model's own first forward: it keeps the learned order (every rank took
-        # it alike), but not "compiled" where it does not run compiled and fused
-        state.inherited = False
-        if not (compiled and config.enabled):
-            state.compiled = False
+    if state.inherited is not None:
+        sync.forget_learned()  # its own first-forward work runs: as any model's
     if not state.settings_checked:
         state.settings_checked = True
         settings_check.check(sync.host, sync.who, "at their first forward", sync.forward_settings(compiled))
@@ -392,9 +390,16 @@ def _model_id(names: list[str], group_name: str) -> int:
     in the same order) and for a re-created model, so graphs stay cacheable; two live
     models never share buckets or a comm hook."""
     key = "\0".join([group_name, *names])
+    collected = False
     for k in itertools.count():
         model_id = zlib.crc32((key if k == 0 else f"{key}\0{k}").encode()) & 0x7FFFFFFF
         ref = _syncs.get(model_id)
+        if ref is not None and ref() is not None and not collected:
+            # a model released but not yet collected (a reference cycle) must not hold
+            # its id on some ranks only: the ids, and what the model then takes from
+            # the one before (_Learned), would differ between the ranks
+            gc.collect()
+            collected = True
         if ref is None or ref() is None:
             return model_id
     raise AssertionError("unreachable")
@@ -575,7 +580,7 @@ class GradSync:
                        if find_unused_parameters else None)
         unsynced = self.layout.unsynced if self.layout is not None else None
         self.reducer.unsynced = unsynced
-        self._take_learned(_learned.get(self.model_id))
+        self._take_learned(_learned.get(self.model_id))  # (before the hooks' tags are made)
         orders = register_element_orders(self.model_id, params)
         data = _hook_data[self.model_id] = _HookData(self.state, self.reducer, group.group_name, limits,
                                                      tuple(self.names), unsynced)
@@ -605,17 +610,31 @@ class GradSync:
 
     def _take_learned(self, learned: _Learned | None) -> None:
         """Take what the model that had this id before learned at its first compiled
-        forward (:class:`_Learned`), if it had the same settings."""
+        forward (:class:`_Learned`), if it had the same settings: what it runs with if
+        Dynamo runs that model's traced forward for it (then its own first-forward work
+        never runs; where it does run, :meth:`forget_learned` puts back its own state
+        first, so every rank runs the same collective checks as for any new model)."""
         if learned is None or learned.settings != (self.layout is not None, self.auto):
             return
         if learned.ready_position is not None and len(learned.ready_position) != len(self.names):
             return  # (a hash collision)
         state = self.state
+        state.inherited = (state.ready_learned, state.ready_position, state.ready_failed,
+                           state.settings_checked, state.compiled, list(self.limits), self.sizing)
         state.ready_position, state.ready_failed = learned.ready_position, learned.ready_failed
-        state.ready_learned = state.settings_checked = state.compiled = state.inherited = True
+        state.ready_learned = state.settings_checked = state.compiled = True
         if self.auto and learned.sizing is not None:
             self.limits[:] = learned.limits
             self.sizing = learned.sizing
+
+    def forget_learned(self) -> None:
+        """Put back what :meth:`_take_learned` replaced."""
+        state = self.state
+        (state.ready_learned, state.ready_position, state.ready_failed, state.settings_checked,
+         state.compiled, limits, self.sizing) = state.inherited
+        self.limits[:] = limits
+        state.inherited = None
+        self.retag()
 
     def retag(self) -> None:
         """Set each hook's tag again from the model's state (after the ready order is

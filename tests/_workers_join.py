@@ -105,7 +105,8 @@ def join_uneven(rank, world_size, kind):
             # and Dynamo runs the forward it traced for the one before
             del model, ddp
             gc.collect()
-            make = nn.parallel.DistributedDataParallel if kind.startswith("stock") else ddp_fusion.DistributedDataParallel
+            stock = kind.startswith("stock")
+            make = nn.parallel.DistributedDataParallel if stock else ddp_fusion.DistributedDataParallel
             ddp = make(copy.deepcopy(base), bucket_cap_mb=0.005)
             try:
                 _train_joined(torch.compile(ddp), ddp, batches, True)
