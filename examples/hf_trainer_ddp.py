@@ -110,6 +110,10 @@ def main() -> None:
     wrapped = trainer.model_wrapped  # OptimizedModule(DDP) compiled, DDP eager
     finish(args, getattr(wrapped, "_orig_mod", wrapped), counter.collectives)
     output_dir.cleanup()
+    # the Trainer leaves the process group to the script: destroyed here, not in the
+    # interpreter's teardown (where one eager run aborted with "terminate called without
+    # an active exception" after its results were written, once)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
