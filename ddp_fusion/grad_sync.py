@@ -290,7 +290,7 @@ def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
     effects.want(effects.COMPILED_AUTOGRAD)
     if not state.ready_learned and torch.is_grad_enabled():
         _learn_ready_order(sync, inputs)
-    if state.ready_learned:
+    if traced and state.ready_learned:  # (at trace time only: eager forwards come here each step)
         _learned[sync.model_id] = _Learned(
             state.ready_position, state.ready_failed, tuple(sync.limits), sync.sizing,
             (sync.layout is not None, sync.auto),
