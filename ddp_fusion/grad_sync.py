@@ -418,6 +418,21 @@ def not_copyable(who: str) -> TypeError:
     )
 
 
+def _refuse_sparse_gradients(module: nn.Module, params: list[tuple[str, torch.Tensor]], who: str) -> None:
+    """An embedding with ``sparse=True`` whose weight is reduced: its gradient is a sparse
+    tensor, which no bucket holds (an uncompiled backward would fail in the hook, a
+    compiled one on NCCL in the all-reduce): refused here, on every rank alike."""
+    reduced = {id(p) for _, p in params}
+    for name, mod in module.named_modules():
+        if (isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse
+                and id(mod.weight) in reduced):
+            raise NotImplementedError(
+                f"{who}: module {name or '(root)'!r} is an embedding with sparse=True; "
+                "sparse gradients are not supported with ddp_fusion (use sparse=False, or "
+                "turn ddp_fusion off for this model)"
+            )
+
+
 def _check_not_hooked(params: list[tuple[str, torch.Tensor]], who: str) -> None:
     for name, p in params:
         ref = _models.get(p)
@@ -519,6 +534,7 @@ class GradSync:
                     "e.g. module.to_empty(device=...) and initialize its parameters"
                 )
         _check_not_hooked(params, who)
+        _refuse_sparse_gradients(module, params, who)
         _torch.distributed.ensure_group_name(group)
         if gradient_as_bucket_view:
             for name, p in params:

@@ -94,12 +94,6 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
         module, names = replicated
         name_of = dict(zip((n for n, _ in ddp.module.named_parameters()), names))
         params = [(name_of[n], p) for n, p in params]
-    for mod_name, mod in module.named_modules():
-        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
-            raise NotImplementedError(
-                f"{WHO}: module {mod_name or '(root)'!r} is an embedding with sparse=True; "
-                "sparse gradients are not supported with ddp_fusion.config.enabled"
-            )
     if not params:
         return  # torch DDP has already refused this; nothing to reduce
     find_unused = bool(arguments.get("find_unused_parameters"))

@@ -3,7 +3,7 @@ reduction the compiler can see (grad_sync.py).
 
 Comm hooks (``register_comm_hook``) run on the buckets (comm_hooks.py); torch's
 allreduce / fp16 / bf16 compress hooks over the model's group are a communication dtype
-instead. Not supported (yet): sparse gradients, ``static_graph``. DTensor parameters
+instead. Not supported (yet): sparse gradients (refused), ``static_graph``. DTensor parameters
 (tensor parallelism on another mesh dimension) have their local shards reduced over the
 data-parallel group. Under ``torch.compile``, ``find_unused_parameters`` covers
 parameters unused on some ranks only, as eager DDP does (unused.py); without it, such a

@@ -255,6 +255,16 @@ class TestWrapperArguments:
         with pytest.raises(ValueError, match="parameter 'extra' is torch.float16 with layout torch.sparse"):
             ddp_fusion.DistributedDataParallel(m)
 
+    def test_sparse_embedding(self):
+        # its gradient is sparse: refused at construction, naming the module (an
+        # uncompiled backward failed in the hook with "reshape is not implemented for
+        # sparse tensors"); frozen, or not reduced, it is fine
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Embedding(10, 4, sparse=True))
+        with pytest.raises(NotImplementedError, match=r"^DistributedDataParallel: module '1' is an embedding with sparse=True"):
+            ddp_fusion.DistributedDataParallel(m)
+        m[1].requires_grad_(False)
+        ddp_fusion.DistributedDataParallel(m)
+
     def test_bad_process_group(self):
         with pytest.raises(TypeError, match="^process_group must be a torch.distributed.ProcessGroup"):
             ddp_fusion.DistributedDataParallel(torch.nn.Linear(2, 2), process_group="world")
