@@ -260,7 +260,8 @@ class TestWrapperArguments:
         # uncompiled backward failed in the hook with "reshape is not implemented for
         # sparse tensors"); frozen, or not reduced, it is fine
         m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Embedding(10, 4, sparse=True))
-        with pytest.raises(NotImplementedError, match=r"^DistributedDataParallel: module '1' is an embedding with sparse=True"):
+        sparse = r"^DistributedDataParallel: module '1' is an embedding with sparse=True"
+        with pytest.raises(NotImplementedError, match=sparse):
             ddp_fusion.DistributedDataParallel(m)
         m[1].requires_grad_(False)
         ddp_fusion.DistributedDataParallel(m)
