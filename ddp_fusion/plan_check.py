@@ -197,6 +197,11 @@ def _divisor_tensor(group: dist.ProcessGroup, reduce_op: str, device: torch.devi
 PLAN_CHECK_START = torch.ops.ddp_fusion.plan_check_start.default
 PLAN_GUARD = torch.ops.ddp_fusion.plan_guard.default
 PLAN_DIVISOR = torch.ops.ddp_fusion.plan_divisor.default
+# the check runs whether or not anything reads the guard's divisor (the pass gives it a
+# reader, a gradient with elements: this keeps FX and Inductor from dropping the check
+# as dead code should that reader go)
+torch.fx.node.has_side_effect(PLAN_CHECK_START)
+torch.fx.node.has_side_effect(PLAN_GUARD)
 
 
 #: Plans longer than this go into the graph compressed (:func:`graph_text`).

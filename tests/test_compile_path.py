@@ -313,3 +313,42 @@ def test_each_hook_costs_the_compiled_backward_one_guard_on_its_own_values():
         assert sorted(rest) == ["", ".__closure__", ".__closure__[k]", ".__closure__[k].cell_contents",
                                 ".__code__"], (hook, rest)
     assert ".names[" not in text and ".ready_position[" not in text
+
+
+class _WithEmptyParameter(torch.nn.Module):
+    """A parameter of no elements whose gradient is its bucket's last ready."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 4)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 16))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) + self.empty.sum()
+
+
+@pytest.mark.parametrize(
+    "algorithm,grads_before", [("concat", None), ("coalesced", None), ("concat", "zeros")]
+)
+def test_the_plan_check_runs_when_a_bucket_ends_with_an_empty_gradient(algorithm, grads_before):
+    """The check's divisor scaled the bucket's last-ready gradient only: where that
+    gradient had no elements, Inductor dropped the division, and with it the guard and
+    the check's start (nothing else read them), so every step ran unchecked: ranks
+    with different plans would have issued them."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    net = _WithEmptyParameter()
+    if grads_before == "zeros":
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+    with ddp_fusion.config.patch(enabled=True, algorithm=algorithm), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        model = torch.compile(ddp_fusion.DistributedDataParallel(net))
+        _, codes = run_and_get_code(lambda: model(torch.randn(8, 16)).sum().backward())
+    torch._dynamo.reset()
+    (backward,) = [c for c in codes if "ddp_fusion" in c]
+    call = backward.split("def call(")[1]
+    assert "ddp_fusion.plan_check_start.default(" in call and "ddp_fusion.plan_guard.default(" in call

@@ -150,8 +150,10 @@ def fuse_ddp_allreduces(
         label = f"bucket{i}"
         if bucket.laid_out:  # its absent gradients, right after `after`
             after = absent.materialize(make, bucket, after, label)
-        # scaled by the checked divisor
-        last = max(here, key=lambda g: order[g.grad]) if here else bucket.grads[-1]
+        # scaled by the checked divisor: the last ready of those with elements (Inductor
+        # drops the scaling of an empty gradient, and with it the check, were it the
+        # check's only reader)
+        last = max(here, key=lambda g: (g.numel > 0, order[g.grad])) if here else bucket.grads[-1]
         copies, why = kept_grads(Bucket(key, here), order, planned.hook is not None) if here else (None, None)
         if copies is not None and len(here) < len(bucket.grads):
             copies, why = None, "a parameter of it has no gradient on this rank (find_unused_parameters)"
