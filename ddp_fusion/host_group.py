@@ -189,7 +189,8 @@ class HostGroup:
                 f"ddp_fusion: only {arrived} of the {self.size} ranks of process group "
                 f"{self.group_name!r} made their host group (where they build a ddp_fusion model "
                 f"on it) within the group's timeout ({self.timeout}): a rank died, or does not "
-                "build the model"
+                "build the model with ddp_fusion (is ddp_fusion.config.enabled / DDP_FUSION=1 "
+                "set on every rank, before it wraps the model in torch DDP?)"
             ) from e
         if store.check([f"{base}/failed"]):
             raise HostGroupError(self._cannot(store.get(f"{base}/failed").decode()))

@@ -144,3 +144,17 @@ def learning_fails_on_one_rank(rank, world_size, failing, what):
         "warnings": list(warnings),
         "diff": max((p - q).abs().max().item() for p, q in zip(net.parameters(), ref.module.parameters())),
     }
+
+
+def flag_on_one_rank(rank, world_size):
+    """``config.enabled`` (say, ``DDP_FUSION=1`` on some nodes only) on group rank 0
+    only, a torch DDP then built and stepped on both: rank 0's construction waits for
+    the others to join its check, which ranks without the flag never do."""
+    t0 = time.perf_counter()
+    try:
+        with ddp_fusion.config.patch(enabled=rank == 0):
+            model = nn.parallel.DistributedDataParallel(Net())
+            model(torch.randn(4, 16)).sum().backward()
+    except Exception as e:  # noqa: BLE001 - what each rank ends with
+        return type(e).__name__, str(e), time.perf_counter() - t0
+    return None, None, time.perf_counter() - t0

@@ -11,6 +11,7 @@ import pytest
 from ddp_fusion.launch import run_ranks
 
 from _workers_agree import (
+    flag_on_one_rank,
     learning_fails_on_one_rank,
     settings_differ_at_construction,
     settings_differ_at_first_forward,
@@ -52,6 +53,17 @@ def test_settings_that_differ_raise_at_construction_on_every_rank():
 def test_settings_that_differ_raise_at_the_first_forward_on_every_rank():
     results = run_ranks(settings_differ_at_first_forward, world_size=2, timeout=300, pg_timeout=60)
     _check(results, FIRST_FORWARD, "at their first forward")
+
+
+def test_the_flag_on_some_ranks_only_ends_within_the_group_timeout_naming_it():
+    """Ranks without the flag never join ddp_fusion's check: the ranks with it raise
+    after the group's timeout, saying the flag may differ; the others fail in their
+    first collective, on the same timeout (torch's error), not a hang."""
+    (kind0, err0, s0), (kind1, err1, s1) = run_ranks(flag_on_one_rank, world_size=2, timeout=120,
+                                                     pg_timeout=5)
+    assert kind0 == "HostGroupError" and "only 1 of the 2 ranks" in err0, err0
+    assert "DDP_FUSION=1 set on every rank" in err0, err0
+    assert kind1 is not None and s0 < 30 and s1 < 30, (kind1, err1, s0, s1)
 
 
 @pytest.mark.parametrize(
