@@ -66,7 +66,29 @@ def _all_reduce_gradient(
     ready_order: int = -1,
     model_id: int = -1,
 ) -> torch.Tensor:
+    if model_id >= 0 and model_id not in _ran_unpassed:
+        _warn_unpassed(model_id)
     return _reduce_one(grad, group_name, reduce_op, name, comm_dtype, None)
+
+
+_ran_unpassed: set[int] = set()
+
+
+def _warn_unpassed(model_id: int) -> None:
+    """A model's hook traced this op, and the graph ran without the pass: a compiled
+    backward that Inductor did not compile (a compiled-autograd compiler of the user's,
+    ``backend="eager"`` or ``"aot_eager"``), or ddp_fusion's pass not installed there.
+    Correct, but unfused and unchecked: said once per model."""
+    _ran_unpassed.add(model_id)
+    _torch.dynamo.counters()["ddp_fusion"]["unfused: backward compiled without the pass"] += 1
+    log.warning(
+        "ddp_fusion: model %d's compiled backward ran its gradient all-reduces unfused, one "
+        "blocking all-reduce per gradient and without the per-step plan check: the backward "
+        "was not compiled by Inductor with ddp_fusion's pass (a compiled-autograd compiler of "
+        "your own, e.g. compiled_autograd._enable(torch.compile(backend='aot_eager'))?). Let "
+        "ddp_fusion.config.enabled turn compiled autograd on, or compile it with Inductor",
+        model_id,
+    )
 
 
 @_all_reduce_gradient.register_fake

@@ -352,3 +352,22 @@ def test_the_plan_check_runs_when_a_bucket_ends_with_an_empty_gradient(algorithm
     (backward,) = [c for c in codes if "ddp_fusion" in c]
     call = backward.split("def call(")[1]
     assert "ddp_fusion.plan_check_start.default(" in call and "ddp_fusion.plan_guard.default(" in call
+
+
+def test_a_backward_compiled_without_the_pass_says_its_all_reduces_ran_unfused(caplog):
+    """A compiled-autograd compiler of the user's own that is not Inductor (here
+    ``aot_eager``) runs the hooks' tagged all-reduces one by one, unchecked: correct,
+    and said once per model (it was silent)."""
+    torch._dynamo.reset()
+    counters.clear()
+    with ddp_fusion.config.patch(enabled=True):
+        model = torch.compile(ddp_fusion.DistributedDataParallel(mlp()))
+        for _ in range(2):
+            loss = model(torch.randn(16, 32)).sum()
+            with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                loss.backward()
+    torch._dynamo.reset()
+    said = [m for m in (r.getMessage() for r in caplog.records) if "all-reduces unfused" in m]
+    assert len(said) == 1 and "compiled by Inductor with ddp_fusion's pass" in said[0], said
+    assert counters["ddp_fusion"]["unfused: backward compiled without the pass"] == 1
+    assert "plans_run" not in counters["ddp_fusion"]
