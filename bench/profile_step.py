@@ -4,6 +4,7 @@ bench/_lib/step.py), then 30 timed steps; prints rank 0's per-step CPU time in t
 compiled regions, ddp_fusion's ops and the collectives.
 
     python -m bench.profile_step --model hf_gpt2 --modes upstream_python_reducer_concat,ddp_fusion_stock
+    python -m bench.profile_step --device cuda --model mlp_host --modes ddp_fusion_concat --timed 60
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profiled", type=int, default=10)
     parser.add_argument("--timed", type=int, default=30)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL, one rank per GPU (world size 1 on one GPU)")
     parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
                         help="each step's optimizer.zero_grad: set_to_none=True (none) or False (zeros)")
     args = parser.parse_args(argv)
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         parser.error(f"unknown modes {bad}")
     for mode in args.modes.split(","):
-        job = Job(args.model, mode, None, set_to_none=args.zero_grad == "none")
+        job = Job(args.model, mode, None, device=args.device, set_to_none=args.zero_grad == "none")
         try:
             job.start()
             job.run(step.warmup, args.warmup)
@@ -40,9 +43,13 @@ def main(argv: list[str] | None = None) -> None:
             times = job.run(step.time_steps, args.timed)
         finally:
             job.stop()
-        median = statistics.median(max(ts) for ts in zip(*(r["times_ms"] for r in times)))
-        print(f"{mode}: median {median:.2f} ms (max over ranks); rank 0's CPU ms per step: {cpu_ms}",
-              flush=True)
+        per_step = [max(ts) for ts in zip(*(r["times_ms"] for r in times))]
+        print(f"{mode}: median {statistics.median(per_step):.2f} ms (max over ranks); rank 0's CPU "
+              f"ms per step: {cpu_ms}", flush=True)
+        # each step in order, and rank 0's main-thread CPU in it (a step that jumps between
+        # two levels shows here; on CUDA a blocking wait spins, so it counts as CPU)
+        print(f"  steps ms: {' '.join(f'{t:.1f}' for t in per_step)}", flush=True)
+        print(f"  main-thread CPU ms: {' '.join(f'{t:.1f}' for t in times[0]['main_cpu_ms'])}", flush=True)
 
 
 if __name__ == "__main__":
