@@ -8,7 +8,8 @@ scaled, or a tensor-parallel ``all_reduce`` in the same graph changes nothing.
 Run eagerly (no compile, or compiled with the pass off) the op is a plain blocking
 ``all_reduce`` of one gradient: correct, one collective per gradient, ``avg`` dividing
 by the group's divisor in this step (scaling.py: its size, or the ranks still
-training under ``join()``).
+training under ``join()``). Called so from a model's hook (``model_id`` set), it warns
+once per model: that model's compiled backward went without the pass.
 
 Its eight arguments::
 
