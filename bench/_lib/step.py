@@ -14,6 +14,8 @@ ranks stay alive between calls, holding the built (compiled) step in this module
     pool.run(step.measure)         # one profiled step: bytes, copies, memory, graph stats
     pool.run(step.trace, shapes)   # one profiled step as a time line (profiling.timeline)
     pool.run(step.op_times, n)     # CPU time per step of the main profiler keys, over n steps
+    pool.run(step.op_profile, n, path)  # n steps' top ops by self CPU, rank 0's trace to path
+    pool.run(step.allocator)       # the CUDA caching allocator's counters (device malloc/free)
     pool.run(step.params)          # the parameters, flat
 
 Each timed step starts after a ``dist.barrier()`` (on CUDA a synchronize, with another
@@ -294,6 +296,41 @@ def op_times(rank: int, world_size: int, n: int) -> dict[str, float]:
             job.step()
     return {e.key: round(e.cpu_time_total / n / 1e3, 3) for e in prof.key_averages()
             if e.key.startswith(_OP_KEYS)}
+
+
+def op_profile(rank: int, world_size: int, n: int, path: str | None = None, top: int = 20) -> dict[str, Any]:
+    """``n`` profiled steps, each after a barrier (with CUDA activity on a GPU): the ``top``
+    ops by self CPU time, ms per step, and rank 0's Chrome trace written to ``path``."""
+    job = _current()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if job.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            dist.barrier()
+            job.sync()
+            with record_function(profiling.STEP):
+                job.step()
+            job.sync()
+    if path and rank == 0:
+        prof.export_chrome_trace(path)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"self_cpu_ms": {e.key: round(e.self_cpu_time_total / n / 1e3, 3) for e in events[:top]},
+            "calls": {e.key: e.count / n for e in events[:top]}}
+
+
+_ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams",
+                   "allocation.all.allocated", "segment.all.allocated")
+
+
+def allocator(rank: int, world_size: int) -> dict[str, int]:
+    """The CUDA caching allocator's running counts (device mallocs and frees, retries,
+    allocations served); empty on CPU."""
+    if _current().device != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in _ALLOCATOR_KEYS}
 
 
 def params(rank: int, world_size: int) -> Any:
