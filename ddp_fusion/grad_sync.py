@@ -273,6 +273,11 @@ def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
     state = sync.state
     if not traced and state.holds_compiled_code is None:
         state.holds_compiled_code = _torch.dynamo.holds_compiled_code(sync.module)
+    if traced or not state.settings_checked or not state.holds_compiled_code:
+        # traced: at each compile of the forward (free per step); eager and uncompiled:
+        # each step, beside the eager hooks' Python per parameter; an eager forward
+        # around compiled submodules: the first forward only (its steady step is lean)
+        sync.check_frozen()
     compiled = traced or bool(state.holds_compiled_code)
     if state.inherited is not None:
         sync.forget_learned()  # its own first-forward work runs: as any model's
@@ -572,6 +577,11 @@ class GradSync:
         self.buffers_of: Any = lambda: None
         # parameter names DDP was told to ignore (torch DDP's parameters_to_ignore)
         self.ignored: set[str] = set()
+        # the module's parameters that did not require grad at construction: no hook,
+        # so one switched on later would train unreduced (checked when a forward is traced)
+        reduced_params = {id(p) for _, p in params}
+        self.frozen = [(n, p) for n, p in module.named_parameters()
+                       if not p.requires_grad and id(p) not in reduced_params]
         self.state = SyncState(comm_dtype)
         self.limits = limits
         self.auto = auto
@@ -670,6 +680,25 @@ class GradSync:
         if self._measured_link is None:  # config.link was set at construction, then cleared
             return "config.link was cleared after the model was built"
         return self._measured_link if isinstance(self._measured_link, str) else (self._measured_link, True)
+
+    def check_frozen(self) -> None:
+        """Raise if a parameter that did not require grad at construction does now
+        (unless ignored): it has no hook, so its gradient would not be reduced and the
+        ranks' copies would drift apart (torch DDP's reducer, built at construction
+        too, leaves it unreduced without a word). Run at the first forward and whenever
+        Dynamo traces one (switching ``requires_grad`` fails a compiled forward's guards,
+        so a compiled model is checked at the step that follows, at no cost per step),
+        and at every forward of a model with no compiled code."""
+        thawed = [n for n, p in self.frozen if p.requires_grad and n not in self.ignored]
+        if thawed:
+            more = f" and {len(thawed) - 3} more" if len(thawed) > 3 else ""
+            raise RuntimeError(
+                f"{self.who}: parameter(s) {', '.join(map(repr, thawed[:3]))}{more} did not require "
+                "grad when the model was wrapped and do now: their gradients would not be "
+                "all-reduced (the gradient hooks are registered at construction, as torch DDP's "
+                "reducer is built then), and the ranks' copies would diverge. Wrap the module "
+                "again after changing which parameters train."
+            )
 
     def forward_settings(self, compiled: bool) -> dict[str, Any]:
         """What the ranks must agree on at the first forward (settings_check.py): what

@@ -371,3 +371,26 @@ def test_a_backward_compiled_without_the_pass_says_its_all_reduces_ran_unfused(c
     assert len(said) == 1 and "compiled by Inductor with ddp_fusion's pass" in said[0], said
     assert counters["ddp_fusion"]["unfused: backward compiled without the pass"] == 1
     assert "plans_run" not in counters["ddp_fusion"]
+
+
+@pytest.mark.parametrize("wrap", ["wrapper", "stock"])
+def test_a_parameter_unfrozen_after_wrapping_raises_at_the_next_compiled_step(wrap):
+    """A parameter frozen when the model was wrapped has no hook: switched on later, its
+    gradient would train unreduced and the ranks drift apart (torch DDP says nothing).
+    The forward's recompile (Dynamo guards ``requires_grad``) runs the check."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    net[0].weight.requires_grad_(False)
+    cls = ddp_fusion.DistributedDataParallel
+    if wrap == "stock":
+        cls = torch.nn.parallel.DistributedDataParallel
+    with ddp_fusion.config.patch(enabled=True):
+        model = torch.compile(cls(net))
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+        net[0].weight.requires_grad_(True)
+        with pytest.raises(RuntimeError, match=r"parameter\(s\) '0.weight' did not require grad when the "
+                                               r"model was wrapped and do now"):
+            model(torch.randn(4, 8)).sum().backward()
