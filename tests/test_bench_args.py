@@ -220,3 +220,16 @@ def test_step_time_reports_host_cpu_per_step_against_the_modes_own_floor():
     rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[2:]}
     assert rows["ddp_fusion_concat"] == ["6.00", "3.50", "2.50", "4.00"]  # all, main, other, over floor
     assert rows["compute_compiled_autograd"] == ["2.00", "2.00", "0.00", "-"]
+
+
+def test_host_probe_times_fixed_work_and_reports_its_spread(capsys):
+    from bench import host_probe
+
+    host_probe.main(["--seconds", "0.3"])
+    out = capsys.readouterr().out
+    for kind in ("python ms", "cpu ops ms"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"{kind}: n "))
+        n = int(line.split(": n ")[1].split()[0])
+        assert n >= 2, line  # timed again and again (statistics.quantiles needs two)
+        assert f"{kind} in order (every 5th): " in out
+    assert "steal ticks" in out
