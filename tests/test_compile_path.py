@@ -373,11 +373,12 @@ def test_a_backward_compiled_without_the_pass_says_its_all_reduces_ran_unfused(c
     assert "plans_run" not in counters["ddp_fusion"]
 
 
-@pytest.mark.parametrize("wrap", ["wrapper", "stock"])
-def test_a_parameter_unfrozen_after_wrapping_raises_at_the_next_compiled_step(wrap):
+@pytest.mark.parametrize("wrap", ["wrapper", "stock", "uncompiled"])
+def test_a_parameter_unfrozen_after_wrapping_raises_at_the_next_step(wrap):
     """A parameter frozen when the model was wrapped has no hook: switched on later, its
     gradient would train unreduced and the ranks drift apart (torch DDP says nothing).
-    The forward's recompile (Dynamo guards ``requires_grad``) runs the check."""
+    The forward's recompile (Dynamo guards ``requires_grad``) runs the check; an
+    uncompiled model checks at every forward."""
     torch._dynamo.reset()
     gc.collect()
     torch.manual_seed(0)
@@ -387,7 +388,7 @@ def test_a_parameter_unfrozen_after_wrapping_raises_at_the_next_compiled_step(wr
     if wrap == "stock":
         cls = torch.nn.parallel.DistributedDataParallel
     with ddp_fusion.config.patch(enabled=True):
-        model = torch.compile(cls(net))
+        model = cls(net) if wrap == "uncompiled" else torch.compile(cls(net))
         for _ in range(2):
             model(torch.randn(4, 8)).sum().backward()
         net[0].weight.requires_grad_(True)
