@@ -8,8 +8,10 @@
 
 Each rank is a fresh ``spawn``-ed process with a process group initialized from a
 temporary file store; ``fn``'s return value (picklable) comes back in rank order. A rank
-that raises makes the call raise with that rank's traceback; ranks still running after
-``timeout`` seconds are killed and reported, so a hang fails instead of stalling.
+that raises makes the call raise with that rank's traceback and those of the ranks that
+fail within ``ERROR_GRACE_S`` of it (the others are named as still running, then
+killed); ranks still running after ``timeout`` seconds are killed and reported, so a
+hang fails instead of stalling.
 
 ``run_ranks`` is the one-shot form of :class:`RankPool`: it spawns the ranks with ``fn``,
 and each rank leaves (destroying its process group) as soon as ``fn`` returns, so a peer
@@ -39,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _STOP = None  # on a rank's command queue: destroy the process group and exit
+ERROR_GRACE_S = 2.0  # after a rank fails, how long the others may still report (theirs, together)
 
 
 def _rank_main(rank, world_size, init_file, threads, first, commands, results, pg_timeout, backend):
@@ -153,7 +156,7 @@ class RankPool:
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """``[fn(rank, world_size, *args) for rank in range(world_size)]``, on the pool's ranks.
 
-        Raises ``RuntimeError`` naming the failed rank with its traceback, the ranks that
+        Raises ``RuntimeError`` naming the failed ranks with their tracebacks, the ranks that
         exited without a result, or the ranks that did not finish within ``timeout``
         seconds (default: the pool's); the pool is closed then.
         """
@@ -171,12 +174,16 @@ class RankPool:
         call = self._calls
         self._calls += 1
         out: dict[int, Any] = {}
+        failed: dict[int, str] = {}
         errors: list[str] = []
         deadline = time.monotonic() + timeout
-        while len(out) < self.world_size and not errors:
+        grace = None  # after the first failure: until when the other ranks may report theirs
+        while len(out) + len(failed) < self.world_size and not (grace and time.monotonic() > grace):
             try:
-                rank, number, ok, value = self._results.get(timeout=1.0)
+                rank, number, ok, value = self._results.get(timeout=0.2 if grace else 1.0)
             except queue.Empty:
+                if grace:
+                    continue
                 dead = [r for r, p in enumerate(self._procs) if r not in out and p.exitcode is not None]
                 if dead:
                     # Give a rank that just exited a moment to deliver its report.
@@ -186,14 +193,24 @@ class RankPool:
                             f"ranks {dead} exited (codes "
                             f"{[self._procs[r].exitcode for r in dead]}) without a result"
                         )
+                        break
                 elif time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(out))
                     errors.append(f"ranks {missing} did not finish within {timeout:.0f} s")
+                    break
                 continue
             if not ok:
-                errors.append(f"rank {rank} failed:\n{value}")
+                failed[rank] = value
+                grace = grace or time.monotonic() + ERROR_GRACE_S
             elif number == call:
                 out[rank] = value
+        for rank in sorted(failed):
+            errors.append(f"rank {rank} failed:\n{failed[rank]}")
+        if failed:
+            waiting = sorted(set(range(self.world_size)) - set(out) - set(failed))
+            if waiting:
+                errors.append(f"ranks {waiting} were still running {ERROR_GRACE_S:g} s "
+                              "after the first failure")
         if errors:
             self.failed = errors[0].splitlines()[0]
             self.close(kill=True)

@@ -1,6 +1,7 @@
 """Per-rank bodies of the multi-process tests (importable by spawned ranks)."""
 
 import copy
+import time
 
 import torch
 from torch.profiler import profile
@@ -764,3 +765,11 @@ def reduce_dtype_bf16(rank, world_size, steps=3, cap=0.002):
         }
     out["concat"]["counters"] = dict(counters["ddp_fusion"])
     return out
+
+
+def fail_on_ranks(rank, world_size, failing, wait_s=30.0):
+    """Raise on the ranks in ``failing``; the others wait ``wait_s`` (as a rank waiting
+    in a collective for a failed peer would)."""
+    if rank in failing:
+        raise ValueError(f"rank {rank} fails on purpose")
+    time.sleep(wait_s)
