@@ -52,14 +52,13 @@ def main(argv: list[str] | None = None) -> None:
             alloc = [job.run(step.allocator)[0]]
             before = job.run(step.time_steps, args.timed)
             alloc.append(job.run(step.allocator)[0])
-            cpu_ms = job.run(step.op_times, args.profiled)[0]
             top = job.run(step.op_profile, args.profiled, path)[0]
             alloc.append(job.run(step.allocator)[0])
             after = job.run(step.time_steps, args.timed)
             alloc.append(job.run(step.allocator)[0])
         finally:
             job.stop()
-        print(f"{mode}: rank 0's CPU ms per step: {cpu_ms}", flush=True)
+        print(f"{mode}: rank 0's CPU ms per step: {top['cpu_ms']}", flush=True)
         for label, times in (("before the profile", before), ("after the profile", after)):
             per_step = [max(ts) for ts in zip(*(r["times_ms"] for r in times))]
             # each step in order, and rank 0's main-thread CPU in it (a step that jumps

@@ -13,8 +13,7 @@ ranks stay alive between calls, holding the built (compiled) step in this module
     pool.run(step.first_steps, n)  # the first n steps, each timed, compile phases (first_step)
     pool.run(step.measure)         # one profiled step: bytes, copies, memory, graph stats
     pool.run(step.trace, shapes)   # one profiled step as a time line (profiling.timeline)
-    pool.run(step.op_times, n)     # CPU time per step of the main profiler keys, over n steps
-    pool.run(step.op_profile, n, path)  # n steps' top ops by self CPU, rank 0's trace to path
+    pool.run(step.op_profile, n, path)  # n steps: CPU per step of the main keys, top ops, trace
     pool.run(step.allocator)       # the CUDA caching allocator's counters (device malloc/free)
     pool.run(step.params)          # the parameters, flat
 
@@ -286,21 +285,11 @@ def trace(rank: int, world_size: int, shapes: bool = False) -> dict[str, Any]:
 _OP_KEYS = ("gloo:", "ddp_fusion::", "Torch-Compiled Region", "CompiledFunction", "Optimizer.step")
 
 
-def op_times(rank: int, world_size: int, n: int) -> dict[str, float]:
-    """CPU ms per step of the profiler keys that say where a step goes (compiled regions,
-    ddp_fusion's ops, collectives, the optimizer), over ``n`` steps."""
-    job = _current()
-    dist.barrier()
-    with profile() as prof:
-        for _ in range(n):
-            job.step()
-    return {e.key: round(e.cpu_time_total / n / 1e3, 3) for e in prof.key_averages()
-            if e.key.startswith(_OP_KEYS)}
-
-
 def op_profile(rank: int, world_size: int, n: int, path: str | None = None, top: int = 20) -> dict[str, Any]:
-    """``n`` profiled steps, each after a barrier (with CUDA activity on a GPU): the ``top``
-    ops by self CPU time, ms per step, and rank 0's Chrome trace written to ``path``."""
+    """``n`` profiled steps, each after a barrier (with CUDA activity on a GPU): CPU ms per
+    step of the profiler keys that say where a step goes (compiled regions, ddp_fusion's
+    ops, collectives, the optimizer), the ``top`` ops by self CPU time, ms per step, and
+    rank 0's Chrome trace written to ``path``."""
     job = _current()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if job.device == "cuda":
@@ -315,8 +304,11 @@ def op_profile(rank: int, world_size: int, n: int, path: str | None = None, top:
             job.sync()
     if path and rank == 0:
         prof.export_chrome_trace(path)
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return {"self_cpu_ms": {e.key: round(e.self_cpu_time_total / n / 1e3, 3) for e in events[:top]},
+    averages = prof.key_averages()
+    events = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"cpu_ms": {e.key: round(e.cpu_time_total / n / 1e3, 3)
+                       for e in averages if e.key.startswith(_OP_KEYS)},
+            "self_cpu_ms": {e.key: round(e.self_cpu_time_total / n / 1e3, 3) for e in events[:top]},
             "calls": {e.key: e.count / n for e in events[:top]}}
 
 
