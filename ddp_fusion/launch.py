@@ -207,9 +207,13 @@ class RankPool:
         for rank in sorted(failed):
             errors.append(f"rank {rank} failed:\n{failed[rank]}")
         if failed:
-            waiting = sorted(set(range(self.world_size)) - set(out) - set(failed))
-            if waiting:
-                errors.append(f"ranks {waiting} were still running {ERROR_GRACE_S:g} s "
+            silent = sorted(set(range(self.world_size)) - set(out) - set(failed))
+            exited = [r for r in silent if self._procs[r].exitcode is not None]
+            running = [r for r in silent if r not in exited]
+            if exited:
+                errors.append(f"ranks {exited} exited without a result")
+            if running:
+                errors.append(f"ranks {running} were still running {ERROR_GRACE_S:g} s "
                               "after the first failure")
         if errors:
             self.failed = errors[0].splitlines()[0]
