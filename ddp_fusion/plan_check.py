@@ -5,9 +5,10 @@ same sizes. Ranks whose backward graphs differ (a parameter unused on some ranks
 rank-dependent control flow, one rank recompiling) would plan different buckets, at the
 first step or at any later one. Each fused graph therefore starts with one
 ``ddp_fusion::plan_check_start`` per process group, which starts an exchange of a hash
-h of the group's plan on the group's host group (host_group.py: gloo, CPU tensors, the
-max of (h, -h) over the ranks by recursive doubling, O(log N) rounds, on the host
-group's own thread), and has one ``ddp_fusion::plan_guard`` right before the group's
+h of the group's plan on the group's host group (host_group.py: the max of (h, -h) over
+the ranks, O(log N) rounds on the host, never a device tensor; over two ranks one
+message each way on the pair's own TCP connection, over more through exchange relays),
+and has one ``ddp_fusion::plan_guard`` right before the group's
 first bucket is issued, which collects it. Every rank runs the same plan exactly when
 both maxima give back its own h; if not, every rank raises :class:`PlanMismatchError`,
 before any bucket is issued, with a description that group rank 0 assembles from the
@@ -37,6 +38,7 @@ import base64
 import functools
 import hashlib
 import logging
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 
@@ -105,20 +107,65 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
     Inductor's cache, in a process that did not compile it, needs it here), and a long
     one compressed (:func:`graph_text`, read once per process); the guards find it by
     the hash. The dispatcher copies a str argument twice per call: 16 µs a call for the
-    46 KB plan of 1,000 gradients."""
-    group = _group(group_name)
-    if plan_hash not in _texts:
-        _texts[plan_hash] = from_graph_text(plan)
-    plan = _texts[plan_hash]
+    46 KB plan of 1,000 gradients. A steady step finds the group and its host group
+    where the plan's first step left them (:class:`_Resolved`)."""
     # A backward that completed waited for all of its hooks: one still in flight is
     # left by a backward that failed halfway, and must not hold this one up.
     comm_hooks.drop_in_flight()
-    hook_groups(plan, group, plan_hash)
-    host = host_group.of(group)
-    if host is not None:
-        _publish(plan, plan_hash)
-        _pending[group_name, plan_hash] = (host, host.ticket(), host.max_async([plan_hash, -plan_hash]))
+    resolved = _resolved_check(group_name)
+    if resolved is None or plan_hash not in resolved.plans:
+        group = _group(group_name)
+        if plan_hash not in _texts:
+            _texts[plan_hash] = from_graph_text(plan)
+        hook_groups(_texts[plan_hash], group, plan_hash)
+        host = host_group.of(group)
+        if host is None:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        _publish(_texts[plan_hash], plan_hash)
+        if resolved is None or resolved.host is not host:
+            resolved = _resolved[group_name] = _Resolved(group, host)
+        resolved.plans.add(plan_hash)
+    elif _hook_groups[plan_hash]:
+        hook_groups(_texts[plan_hash], resolved.group(), plan_hash)
+    host = resolved.host
+    _pending[group_name, plan_hash] = (host, host.ticket(), host.max_async([plan_hash, -plan_hash]))
     return torch.zeros((), dtype=torch.float32, device=device)
+
+
+class _Resolved:
+    """A process group (weakly) and its host group as a plan check's first step found
+    them, and the plans checked on them since: a steady step does not look them up
+    again. In a step these lookups run once, between Inductor's kernels, with cold
+    caches: about 50 µs at 2 ranks (bench/results/issue36_check_cpu_2026-11-28.md)."""
+
+    __slots__ = ("group", "host", "plans")
+
+    def __init__(self, group: dist.ProcessGroup, host: host_group.HostGroup) -> None:
+        self.group = weakref.ref(group)
+        self.host = host
+        self.plans: set[int] = set()
+
+
+# group name -> what the plan checks on that group found (:func:`_resolved_check`)
+_resolved: dict[str, _Resolved] = {}
+
+
+def _resolved_check(group_name: str) -> _Resolved | None:
+    """What the last plan check on ``group_name`` found, if it still holds: a host group
+    ends when its process group is destroyed or replaced under its name (host_group.py),
+    and the new one is found the long way, with the errors that gives."""
+    resolved = _resolved.get(group_name)
+    if resolved is not None and (resolved.host.ended or resolved.group() is None):
+        del _resolved[group_name]
+        return None
+    return resolved
+
+
+def _resolved_group(group_name: str) -> dist.ProcessGroup:
+    """The process group named ``group_name``, as the plan check found it (else looked up)."""
+    resolved = _resolved_check(group_name)
+    group = None if resolved is None else resolved.group()
+    return _group(group_name) if group is None else group
 
 
 def plan_guard(
@@ -128,24 +175,24 @@ def plan_guard(
     the check :func:`plan_check_start` began (``token``: its output) shows that every
     rank of the group runs the same bucket plan in this step (else
     :class:`PlanMismatchError` on every rank)."""
-    group = _group(group_name)
-    plan = _texts[plan_hash]  # (the start, which this guard follows, put it there)
-    if (group_name, plan_hash) not in _reported:
-        _reported.add((group_name, plan_hash))
-        _report_plan(group_name, plan)
-    pending = _pending.pop((group_name, plan_hash), None)  # None: checked by this group's other guard
+    key = (group_name, plan_hash)
+    group = _resolved_group(group_name)
+    if key not in _reported:
+        _reported.add(key)
+        _report_plan(group_name, _texts[plan_hash])  # (the start, which this guard follows, put it there)
+    pending = _pending.pop(key, None)  # None: checked by this group's other guard
     if pending is not None:
         host, ticket, exchange = pending
         top, neg_bottom = outcome(exchange, group_name)
         if not (top == plan_hash and -neg_bottom == plan_hash):
-            raise PlanMismatchError(describe_mismatch(host, ticket, group_name, plan_hash, plan))
+            raise PlanMismatchError(describe_mismatch(host, ticket, group_name, plan_hash, _texts[plan_hash]))
     return _divisor_tensor(group, reduce_op, device)
 
 
 def plan_divisor(group_name: str, reduce_op: str, device: torch.device) -> torch.Tensor:
     """What :func:`plan_guard` returns, without waiting for the check: the bucket divisor
     for ``reduce_op`` as a 0-d float32 tensor on ``device``."""
-    return _divisor_tensor(_group(group_name), reduce_op, device)
+    return _divisor_tensor(_resolved_group(group_name), reduce_op, device)
 
 
 def _empty_divisor(*args: object) -> torch.Tensor:

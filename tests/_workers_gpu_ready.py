@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddp_fusion
-from ddp_fusion import _torch
+from ddp_fusion import _torch, host_group, plan_check
 
 #: Tensor methods that read a tensor's value on the host (on a GPU: a device sync).
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
@@ -29,6 +29,15 @@ class Net(nn.Module):
     def forward(self, x, use_c=False):
         x = self.b(torch.tanh(self.a(x)))
         return self.c(x) if use_c else x
+
+
+@contextlib.contextmanager
+def _applied(patches):
+    """Every ``unittest.mock.patch`` of ``patches`` in force inside the block."""
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
 
 
 @contextlib.contextmanager
@@ -56,9 +65,28 @@ def count_host_reads():
             return _original(data, *args, **kwargs)
 
         patches.append(unittest.mock.patch.object(torch, name, made))
-    with contextlib.ExitStack() as stack:
-        for p in patches:
-            stack.enter_context(p)
+    with _applied(patches):
+        yield counts
+
+
+@contextlib.contextmanager
+def count_group_lookups():
+    """Counts calls of the plan check's lookups of a process group by name and of its
+    host group inside the block: the first step of a plan's check makes them, a steady
+    step finds their results where it left them (plan_check._resolved_check)."""
+    counts: dict[str, int] = {}
+
+    def counted(key, original):
+        def call(*args, **kwargs):
+            counts[key] = counts.get(key, 0) + 1
+            return original(*args, **kwargs)
+        return call
+
+    patches = [
+        unittest.mock.patch.object(module, name, counted(f"{module.__name__}.{name}", getattr(module, name)))
+        for module, name in ((plan_check, "_group"), (host_group, "of"))
+    ]
+    with _applied(patches):
         yield counts
 
 
@@ -69,7 +97,8 @@ def steady_steps(rank, world_size, steps):
     (``zero_grad(set_to_none=False)``), under ``"kept_reads"`` and ``"kept_collectives"``;
     then, still kept, inside ``join()`` (with ``divide_by_initial_world_size=False``: the
     divisor is the count of ranks still training, all of them here), under
-    ``"join_reads"`` and ``"join_collectives"``."""
+    ``"join_reads"`` and ``"join_collectives"``. Under ``"lookups"`` (and with the
+    same prefixes), the plan check's group lookups in those steps (:func:`count_group_lookups`)."""
     torch._dynamo.reset()
     with ddp_fusion.config.patch(enabled=True):
         ddp = ddp_fusion.DistributedDataParallel(Net(), bucket_cap_mb=0.002)  # 2 buckets
@@ -100,10 +129,11 @@ def steady_steps(rank, world_size, steps):
                         step()
                 seen: set = set()
                 _torch.distributed.collectives_since(seen)
-                with count_host_reads() as reads:
+                with count_host_reads() as reads, count_group_lookups() as lookups:
                     for _ in range(steps):
                         step()
                 out[f"{label}reads"] = reads
+                out[f"{label}lookups"] = lookups
                 out[f"{label}collectives"] = _torch.distributed.collectives_since(seen)
     return out
 
@@ -130,9 +160,7 @@ def record_collective_devices():
             return _original(*args, **kwargs)
 
         patches.append(unittest.mock.patch.object(dist, name, recording))
-    with contextlib.ExitStack() as stack:
-        for p in patches:
-            stack.enter_context(p)
+    with _applied(patches):
         yield seen
 
 
