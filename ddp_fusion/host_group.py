@@ -10,7 +10,8 @@ through a :class:`HostGroup`, a gloo group of the same ranks that only ever move
 tensors, which the host reads directly (through numpy, never ``Tensor.item``):
 
 * :meth:`HostGroup.max_async` / :meth:`~HostGroup.max`: the element-wise max of a few
-  int64 over the ranks, by recursive doubling on point-to-point messages:
+  int64 over the ranks, by recursive doubling on point-to-point messages (not gloo's:
+  the pair's own connection, or exchange relays; below):
   ``ceil(log2 N)`` rounds, plus two when N is not a power of two (gloo's own all-reduce
   is a ring: ``2 (N - 1)`` steps). "Do all ranks hold h?" is ``max(h, -h)``: all agree
   exactly when both maxima give back h. A rank that takes no part in a decision (a

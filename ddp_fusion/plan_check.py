@@ -113,7 +113,7 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
     # left by a backward that failed halfway, and must not hold this one up.
     comm_hooks.drop_in_flight()
     resolved = _resolved_check(group_name)
-    if resolved is None or plan_hash not in resolved.plans:
+    if resolved is None or plan_hash not in resolved[0].plans:
         group = _group(group_name)
         if plan_hash not in _texts:
             _texts[plan_hash] = from_graph_text(plan)
@@ -122,27 +122,32 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
         if host is None:
             return torch.zeros((), dtype=torch.float32, device=device)
         _publish(_texts[plan_hash], plan_hash)
-        if resolved is None or resolved.host is not host:
-            resolved = _resolved[group_name] = _Resolved(group, host)
-        resolved.plans.add(plan_hash)
-    elif _hook_groups[plan_hash]:
-        hook_groups(_texts[plan_hash], resolved.group(), plan_hash)
-    host = resolved.host
+        entry = _resolved.get(group_name)
+        if entry is None or entry.host() is not host:
+            entry = _resolved[group_name] = _Resolved(group, host)
+        entry.plans.add(plan_hash)
+    else:
+        _, group, host = resolved
+        if _hook_groups[plan_hash]:
+            hook_groups(_texts[plan_hash], group, plan_hash)
     _pending[group_name, plan_hash] = (host, host.ticket(), host.max_async([plan_hash, -plan_hash]))
     return torch.zeros((), dtype=torch.float32, device=device)
 
 
 class _Resolved:
-    """A process group (weakly) and its host group as a plan check's first step found
-    them, and the plans checked on them since: a steady step does not look them up
-    again. In a step these lookups run once, between Inductor's kernels, with cold
-    caches: about 50 µs at 2 ranks (bench/results/issue36_check_cpu_2026-11-28.md)."""
+    """A process group and its host group as a plan check's first step found them
+    (both weakly: the model holds the one, host_group.py the other while it lives), and
+    the plans checked on them since: a steady step does not look them up again. In a
+    step these lookups run once, between Inductor's kernels, with cold caches: about
+    50 µs at 2 ranks (bench/results/issue36_check_cpu_2026-11-28.md). (A group whose
+    size changed in place, which none of c10d's do, would keep its host group: as
+    ``host_group.of`` keeps it for the same group object.)"""
 
     __slots__ = ("group", "host", "plans")
 
     def __init__(self, group: dist.ProcessGroup, host: host_group.HostGroup) -> None:
         self.group = weakref.ref(group)
-        self.host = host
+        self.host = weakref.ref(host)
         self.plans: set[int] = set()
 
 
@@ -150,22 +155,25 @@ class _Resolved:
 _resolved: dict[str, _Resolved] = {}
 
 
-def _resolved_check(group_name: str) -> _Resolved | None:
-    """What the last plan check on ``group_name`` found, if it still holds: a host group
-    ends when its process group is destroyed or replaced under its name (host_group.py),
-    and the new one is found the long way, with the errors that gives."""
-    resolved = _resolved.get(group_name)
-    if resolved is not None and (resolved.host.ended or resolved.group() is None):
+def _resolved_check(group_name: str) -> tuple[_Resolved, dist.ProcessGroup, host_group.HostGroup] | None:
+    """What the last plan check on ``group_name`` found, with its group and host group,
+    if they still hold: a host group ends when its process group is destroyed or
+    replaced under its name (host_group.py), and the new one is found the long way, with
+    the errors that gives."""
+    entry = _resolved.get(group_name)
+    if entry is None:
+        return None
+    group, host = entry.group(), entry.host()
+    if group is None or host is None or host.ended:
         del _resolved[group_name]
         return None
-    return resolved
+    return entry, group, host
 
 
 def _resolved_group(group_name: str) -> dist.ProcessGroup:
     """The process group named ``group_name``, as the plan check found it (else looked up)."""
     resolved = _resolved_check(group_name)
-    group = None if resolved is None else resolved.group()
-    return _group(group_name) if group is None else group
+    return _group(group_name) if resolved is None else resolved[1]
 
 
 def plan_guard(

@@ -28,8 +28,8 @@ bitmap on the host:
   reduced (eager DDP counts those as used; :class:`Unsynced`, marked by the hooks). At
   the start of the graph, right after the plan check's exchange,
   ``ddp_fusion::used_start`` starts the element-wise max of these bits (one int64 per
-  parameter) over the model group's *host group* (host_group.py: gloo on CPU tensors,
-  O(log N) point-to-point rounds on its own thread, like the plan check), and clears
+  parameter) over the model group's *host group* (host_group.py: host-side, O(log N)
+  rounds, off the training process's GIL, like the plan check), and clears
   the no_sync marks. Nothing on the device: no extra collective on the model's group,
   no device tensor read on the host, and the wait (at the end of the graph) is for an
   exchange every rank started at the beginning of its backward.

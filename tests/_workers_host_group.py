@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ddp_fusion
+from ddp_fusion import host_group, plan_check
 
 from _workers import mlp
 
@@ -45,6 +46,14 @@ def _children() -> int:
     return n
 
 
+def _checked_here():
+    """Whether the per-step plan check ran on this round's host group, not on the one it
+    found in the round before, which ended with that round's group. (Holds no reference
+    to either after it returns: the round counts what is left once its group is gone.)"""
+    found = plan_check._resolved_check(dist.group.WORLD.group_name)
+    return found is not None and found[2] is host_group.of(dist.group.WORLD)
+
+
 def _round(rank, world_size, store, flag, compiled, steps=3):
     """init_process_group on ``store``; torch DDP with ``flag`` (``compiled``: torch.compile'd;
     else ddp_fusion's wrapper, uncompiled) for ``steps`` steps, and eager torch DDP on
@@ -54,7 +63,7 @@ def _round(rank, world_size, store, flag, compiled, steps=3):
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
     base = mlp()
-    nets = []
+    nets, checked_here = [], None
     for fused in (False, flag):
         if compiled:
             torch._dynamo.reset()
@@ -70,6 +79,8 @@ def _round(rank, world_size, store, flag, compiled, steps=3):
                 opt.zero_grad()
                 model(x).square().mean().backward()
                 opt.step()
+            if fused and compiled:
+                checked_here = _checked_here()
             nets.append(net)
         del model, opt
     diff = max((a - b).abs().max().item() for a, b in zip(*(n.parameters() for n in nets)))
@@ -79,7 +90,8 @@ def _round(rank, world_size, store, flag, compiled, steps=3):
         torch._dynamo.reset()
     dist.destroy_process_group()
     gc.collect()
-    return {**_resources(), "diff": diff, "children_before_destroy": during}
+    return {**_resources(), "diff": diff, "children_before_destroy": during,
+            "checked_here": checked_here}
 
 
 def regroup(rank, world_size, tmpdir, compiled, rounds=3):

@@ -15,14 +15,16 @@ from ddp_fusion.launch import run_ranks
 from _workers_host_group import cannot_connect, regroup
 
 
-def _check(results, relays=0):
+def _check(results, relays=0, compiled=False):
     """Each round with the flag on trained as eager DDP did and left what the round with
     it off left; ``relays``: the exchange relays each rank ran until its group was
-    destroyed (none remain after)."""
+    destroyed (none remain after); ``compiled``: the per-step plan check ran on each
+    round's own host group."""
     for rounds in results:
         off, *on = rounds
         for r in on:
             assert r["diff"] < 1e-5, rounds
+            assert r["checked_here"] is (True if compiled else None), rounds
             assert not [t for t in r["python_threads"] if t.startswith("ddp_fusion")], rounds
             # torch may start a thread of its own once (tqdm's monitor): count the rest
             assert (r["files"], r["other_threads"]) == (off["files"], off["other_threads"]), rounds
@@ -46,7 +48,7 @@ def test_host_groups_of_three_ranks_end_with_their_process_group_and_their_relay
 def test_host_groups_end_with_their_process_group_compiled(tmp_path):
     """Torch DDP under the flag, compiled (the per-step plan check on the host group);
     about a minute on 2 cores."""
-    _check(run_ranks(regroup, world_size=2, args=(str(tmp_path), True), timeout=600))
+    _check(run_ranks(regroup, world_size=2, args=(str(tmp_path), True), timeout=600), compiled=True)
 
 
 def test_a_host_group_that_cannot_connect_fails_on_every_rank_within_seconds():
