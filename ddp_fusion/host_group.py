@@ -773,6 +773,20 @@ def of(group: dist.ProcessGroup) -> HostGroup | None:
         return host
 
 
+def known(name: str) -> tuple[dist.ProcessGroup, HostGroup] | None:
+    """The process group named ``name`` and its host group, if :func:`of` made one for it
+    and neither has gone since (destroyed, replaced under its name, collected): what a
+    steady step's exchange needs, without looking either up. (In a step each lookup runs
+    once, between Inductor's kernels, with cold caches: ``resolve_process_group`` and
+    :func:`of` took about 45 µs of a plan check at 2 ranks,
+    bench/results/issue36_check_cpu_2026-11-28.md.)"""
+    entry = _groups.get(name)
+    if entry is None:
+        return None
+    group, host = entry[0](), entry[1]
+    return None if group is None or host.ended else (group, host)
+
+
 def _end(name: str, why: str) -> HostGroup:
     with _lock:
         _, host = _groups.pop(name)

@@ -38,7 +38,6 @@ import base64
 import functools
 import hashlib
 import logging
-import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 
@@ -108,12 +107,12 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
     one compressed (:func:`graph_text`, read once per process); the guards find it by
     the hash. The dispatcher copies a str argument twice per call: 16 µs a call for the
     46 KB plan of 1,000 gradients. A steady step finds the group and its host group
-    where the plan's first step left them (:class:`_Resolved`)."""
+    with :func:`host_group.known`, not looked up again."""
     # A backward that completed waited for all of its hooks: one still in flight is
     # left by a backward that failed halfway, and must not hold this one up.
     comm_hooks.drop_in_flight()
-    resolved = _resolved_check(group_name)
-    if resolved is None or plan_hash not in resolved[0].plans:
+    known = host_group.known(group_name)
+    if known is None or (group_name, plan_hash) not in _started:
         group = _group(group_name)
         if plan_hash not in _texts:
             _texts[plan_hash] = from_graph_text(plan)
@@ -122,58 +121,24 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
         if host is None:
             return torch.zeros((), dtype=torch.float32, device=device)
         _publish(_texts[plan_hash], plan_hash)
-        entry = _resolved.get(group_name)
-        if entry is None or entry.host() is not host:
-            entry = _resolved[group_name] = _Resolved(group, host)
-        entry.plans.add(plan_hash)
+        _started.add((group_name, plan_hash))
     else:
-        _, group, host = resolved
+        group, host = known
         if _hook_groups[plan_hash]:
             hook_groups(_texts[plan_hash], group, plan_hash)
     _pending[group_name, plan_hash] = (host, host.ticket(), host.max_async([plan_hash, -plan_hash]))
     return torch.zeros((), dtype=torch.float32, device=device)
 
 
-class _Resolved:
-    """A process group and its host group as a plan check's first step found them
-    (both weakly: the model holds the one, host_group.py the other while it lives), and
-    the plans checked on them since: a steady step does not look them up again. In a
-    step these lookups run once, between Inductor's kernels, with cold caches: about
-    50 µs at 2 ranks (bench/results/issue36_check_cpu_2026-11-28.md). (A group whose
-    size changed in place, which none of c10d's do, would keep its host group: as
-    ``host_group.of`` keeps it for the same group object.)"""
-
-    __slots__ = ("group", "host", "plans")
-
-    def __init__(self, group: dist.ProcessGroup, host: host_group.HostGroup) -> None:
-        self.group = weakref.ref(group)
-        self.host = weakref.ref(host)
-        self.plans: set[int] = set()
+# (group name, plan hash) of the checks started the long way, which also ran the plan's
+# one-time work: later steps find the group and its host group with host_group.known
+_started: set[tuple[str, int]] = set()
 
 
-# group name -> what the plan checks on that group found (:func:`_resolved_check`)
-_resolved: dict[str, _Resolved] = {}
-
-
-def _resolved_check(group_name: str) -> tuple[_Resolved, dist.ProcessGroup, host_group.HostGroup] | None:
-    """What the last plan check on ``group_name`` found, with its group and host group,
-    if they still hold: a host group ends when its process group is destroyed or
-    replaced under its name (host_group.py), and the new one is found the long way, with
-    the errors that gives."""
-    entry = _resolved.get(group_name)
-    if entry is None:
-        return None
-    group, host = entry.group(), entry.host()
-    if group is None or host is None or host.ended:
-        del _resolved[group_name]
-        return None
-    return entry, group, host
-
-
-def _resolved_group(group_name: str) -> dist.ProcessGroup:
-    """The process group named ``group_name``, as the plan check found it (else looked up)."""
-    resolved = _resolved_check(group_name)
-    return _group(group_name) if resolved is None else resolved[1]
+def _known_group(group_name: str) -> dist.ProcessGroup:
+    """The process group named ``group_name``: as its host group holds it, else looked up."""
+    known = host_group.known(group_name)
+    return _group(group_name) if known is None else known[0]
 
 
 def plan_guard(
@@ -184,7 +149,7 @@ def plan_guard(
     rank of the group runs the same bucket plan in this step (else
     :class:`PlanMismatchError` on every rank)."""
     key = (group_name, plan_hash)
-    group = _resolved_group(group_name)
+    group = _known_group(group_name)
     if key not in _reported:
         _reported.add(key)
         _report_plan(group_name, _texts[plan_hash])  # (the start, which this guard follows, put it there)
@@ -200,7 +165,7 @@ def plan_guard(
 def plan_divisor(group_name: str, reduce_op: str, device: torch.device) -> torch.Tensor:
     """What :func:`plan_guard` returns, without waiting for the check: the bucket divisor
     for ``reduce_op`` as a 0-d float32 tensor on ``device``."""
-    return _divisor_tensor(_resolved_group(group_name), reduce_op, device)
+    return _divisor_tensor(_known_group(group_name), reduce_op, device)
 
 
 def _empty_divisor(*args: object) -> torch.Tensor:

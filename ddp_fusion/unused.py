@@ -203,8 +203,12 @@ def _used_start(after: torch.Tensor, group_name: str, model_id: int, present: Se
     for i in present:
         bits[i] = 1
     found.unsynced.settle()
-    group = _torch.distributed.resolve_process_group(group_name)
-    host = host_group.of(group) if group is not None else None
+    known = host_group.known(group_name)  # a steady step's (looked up the first time)
+    if known is not None:
+        host = known[1]
+    else:
+        group = _torch.distributed.resolve_process_group(group_name)
+        host = host_group.of(group) if group is not None else None
     if host is None:
         found.pending = bits  # no peers: used anywhere is used here
     else:

@@ -73,9 +73,7 @@ def count_host_reads():
 def count_group_lookups():
     """Counts calls of the plan check's lookups of a process group by name and of its
     host group inside the block: the first step of a plan's check makes them, a steady
-    step finds their results where it left them (plan_check._resolved_check). (Counted
-    wherever they are called: a model with ``find_unused_parameters``, whose used-bits
-    exchange looks its host group up every step, would count here; ``Net`` has none.)"""
+    step finds them with ``host_group.known``. (Counted wherever they are called.)"""
     counts: dict[str, int] = {}
 
     def counted(key, original):

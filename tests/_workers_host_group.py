@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ddp_fusion
-from ddp_fusion import host_group, plan_check
+from ddp_fusion import host_group
 
 from _workers import mlp
 
@@ -46,12 +46,13 @@ def _children() -> int:
     return n
 
 
-def _checked_here():
-    """Whether the per-step plan check ran on this round's host group, not on the one it
-    found in the round before, which ended with that round's group. (Holds no reference
-    to either after it returns: the round counts what is left once its group is gone.)"""
-    found = plan_check._resolved_check(dist.group.WORLD.group_name)
-    return found is not None and found[2] is host_group.of(dist.group.WORLD)
+def _checked_here(steps):
+    """Whether the per-step plan check ran its ``steps`` exchanges on this round's host
+    group, the one ``host_group.known`` gives a steady step, not on the round before's,
+    which ended with that round's group. (Holds no reference to either after it returns:
+    the round counts what is left once its group is gone.)"""
+    known = host_group.known(dist.group.WORLD.group_name)
+    return known is not None and known[1] is host_group.of(dist.group.WORLD) and known[1]._tickets >= steps
 
 
 def _round(rank, world_size, store, flag, compiled, steps=3):
@@ -80,7 +81,7 @@ def _round(rank, world_size, store, flag, compiled, steps=3):
                 model(x).square().mean().backward()
                 opt.step()
             if fused and compiled:
-                checked_here = _checked_here()
+                checked_here = _checked_here(steps)
             nets.append(net)
         del model, opt
     diff = max((a - b).abs().max().item() for a, b in zip(*(n.parameters() for n in nets)))
