@@ -46,13 +46,12 @@ def _children() -> int:
     return n
 
 
-def _checked_here(steps):
-    """Whether the per-step plan check ran its ``steps`` exchanges on this round's host
-    group, the one ``host_group.known`` gives a steady step, not on the round before's,
-    which ended with that round's group. (Holds no reference to either after it returns:
-    the round counts what is left once its group is gone.)"""
+def _tickets() -> int:
+    """The exchanges asked of this round's host group so far (the one ``host_group.known``
+    gives a steady step; 0 without one). Holds no reference to it after it returns: the
+    round counts what is left once its group is gone."""
     known = host_group.known(dist.group.WORLD.group_name)
-    return known is not None and known[1] is host_group.of(dist.group.WORLD) and known[1]._tickets >= steps
+    return 0 if known is None else known[1]._tickets
 
 
 def _round(rank, world_size, store, flag, compiled, steps=3):
@@ -76,12 +75,15 @@ def _round(rank, world_size, store, flag, compiled, steps=3):
                 model = torch.nn.parallel.DistributedDataParallel(net)
             model = torch.compile(model) if fused and compiled else model
             opt = torch.optim.SGD(net.parameters(), lr=0.05)
+            before = _tickets()
             for x in batches:
                 opt.zero_grad()
                 model(x).square().mean().backward()
                 opt.step()
             if fused and compiled:
-                checked_here = _checked_here(steps)
+                # the per-step plan check ran its exchanges on this round's host group,
+                # not on the round before's, which ended with that round's group
+                checked_here = _tickets() - before >= steps
             nets.append(net)
         del model, opt
     diff = max((a - b).abs().max().item() for a, b in zip(*(n.parameters() for n in nets)))
