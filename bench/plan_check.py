@@ -25,7 +25,7 @@ and how long the guard blocked on it. The rank functions are in bench/_lib/probe
     python -m bench.plan_check --plan-sizes 1,1000,10000   # the ops' own cost vs plan size
 
 ``--plan-sizes`` times, in one process on a fake group (no exchange), one step's plan
-ops as a fused graph calls them (``plan_check_start``, ``plan_divisor``, ``plan_guard``,
+ops as a fused graph of one group calls them (``plan_check_start``, ``plan_guard``,
 through the dispatcher) for plans of N gradients: their cost must not grow with N.
 """
 
@@ -97,9 +97,8 @@ def _plan_sizes(sizes: list[int], calls: int, rounds: int) -> None:
         size, h, text = len(text), plan_check.plan_hash(text), plan_check.graph_text(text)
 
         def step(text: str = text, h: int = h) -> None:
-            token = plan_check.PLAN_CHECK_START(name, text, h, cpu)
-            plan_check.PLAN_DIVISOR(name, "avg", cpu)
-            plan_check.PLAN_GUARD(token, name, h, "avg", cpu)
+            divisor = plan_check.PLAN_CHECK_START(name, text, h, cpu, "avg")
+            plan_check.PLAN_GUARD(divisor, name, h, "avg", cpu)
 
         best = float("inf")
         for _ in range(rounds + 1):  # the first round warms up

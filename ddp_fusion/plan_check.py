@@ -87,19 +87,22 @@ def _group(group_name: str) -> dist.ProcessGroup:
 # (its autograd function and its ``torch._disable_dynamo`` context) cost more Python per
 # call than these ops' own bodies, twice per group per step.
 _lib = torch.library.Library("ddp_fusion", "FRAGMENT")
-_lib.define("plan_check_start(str group_name, str plan, int plan_hash, Device device) -> Tensor",
-            tags=CUDAGRAPH_UNSAFE)
+_lib.define("plan_check_start(str group_name, str plan, int plan_hash, Device device, str reduce_op=\"avg\") "
+            "-> Tensor", tags=CUDAGRAPH_UNSAFE)
 _lib.define("plan_guard(Tensor token, str group_name, int plan_hash, str reduce_op, Device device) -> Tensor",
             tags=CUDAGRAPH_UNSAFE)
 _lib.define("plan_divisor(str group_name, str reduce_op, Device device) -> Tensor", tags=CUDAGRAPH_UNSAFE)
 
 
-def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.device) -> torch.Tensor:
+def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.device,
+                     reduce_op: str = "avg") -> torch.Tensor:
     """Start this step's cross-rank check of the group's bucket plan (``plan``: as
     :func:`graph_text` gives it): the max of
     (h, -h) of the plan's hash h (``plan_hash``, :func:`plan_hash` of it, computed by
-    the pass) over the group's host group, in the background. Returns a token for
-    :func:`plan_guard`, which finishes the check.
+    the pass) over the group's host group, in the background. Returns what
+    :func:`plan_divisor` would for ``reduce_op`` (the group's first: the graph needs no
+    ``plan_divisor`` op for it, bench/results/plan_ops_cpu_2026-11-28.md), which is also
+    the token :func:`plan_guard` takes, after the start, to finish the check.
 
     State is keyed by the hash: a step never hashes the plan's text, which grows with
     the number of parameters. Only this op takes the text (a graph served from
@@ -119,7 +122,7 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
         hook_groups(_texts[plan_hash], group, plan_hash)
         host = host_group.of(group)
         if host is None:
-            return torch.zeros((), dtype=torch.float32, device=device)
+            return _divisor_tensor(group, reduce_op, device)
         _publish(_texts[plan_hash], plan_hash)
         _started.add((group_name, plan_hash))
     else:
@@ -127,7 +130,7 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
         if _hook_groups[plan_hash]:
             hook_groups(_texts[plan_hash], group, plan_hash)
     _pending[group_name, plan_hash] = (host, host.ticket(), host.max_async([plan_hash, -plan_hash]))
-    return torch.zeros((), dtype=torch.float32, device=device)
+    return _divisor_tensor(group, reduce_op, device)
 
 
 # (group name, plan hash) of the checks started the long way, which also ran the plan's
@@ -169,15 +172,22 @@ def plan_divisor(group_name: str, reduce_op: str, device: torch.device) -> torch
 
 
 def _empty_divisor(*args: object) -> torch.Tensor:
-    """What a plan op returns, for fake tensors: a 0-d float32 on the op's device (its
-    last argument)."""
+    """What ``plan_guard`` and ``plan_divisor`` return, for fake tensors: a 0-d float32
+    on the op's device (their last argument)."""
     return torch.empty((), dtype=torch.float32, device=args[-1])
 
 
-for _name, _impl in (("plan_check_start", plan_check_start), ("plan_guard", plan_guard),
-                     ("plan_divisor", plan_divisor)):
+def _empty_start_divisor(group_name: str, plan: str, plan_hash: int, device: torch.device,
+                         reduce_op: str = "avg") -> torch.Tensor:
+    """What ``plan_check_start`` returns, for fake tensors."""
+    return torch.empty((), dtype=torch.float32, device=device)
+
+
+for _name, _impl, _fake in (("plan_check_start", plan_check_start, _empty_start_divisor),
+                            ("plan_guard", plan_guard, _empty_divisor),
+                            ("plan_divisor", plan_divisor, _empty_divisor)):
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"ddp_fusion::{_name}", _empty_divisor, lib=_lib)
+    torch.library.register_fake(f"ddp_fusion::{_name}", _fake, lib=_lib)
 
 
 def outcome(exchange: host_group.Exchange, group_name: str) -> list[int]:

@@ -85,15 +85,14 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="concat")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
-    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 2860895155221077544, device(type='cpu'))
-    plan_divisor_default = torch.ops.ddp_fusion.plan_divisor.default('0', 'avg', device(type='cpu'))
+    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 2860895155221077544, device(type='cpu'), 'avg')
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
-    div_tensor = torch.ops.aten.div.Tensor(view_default, plan_divisor_default);  view_default = plan_divisor_default = None
+    div_tensor = torch.ops.aten.div.Tensor(view_default, plan_check_start_default);  view_default = None
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', 2860895155221077544, 'avg', device(type='cpu'));  plan_check_start_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
     bucket0_cat = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
@@ -110,14 +109,13 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="coalesced")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
-    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "coalesced", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', -5147003848419962538, device(type='cpu'))
-    plan_divisor_default = torch.ops.ddp_fusion.plan_divisor.default('0', 'avg', device(type='cpu'))
+    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "coalesced", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "coalesced", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', -5147003848419962538, device(type='cpu'), 'avg')
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
-    bucket0_scale = torch.ops.aten._foreach_div.Tensor([mm_1], plan_divisor_default);  mm_1 = plan_divisor_default = None
+    bucket0_scale = torch.ops.aten._foreach_div.Tensor([mm_1], plan_check_start_default);  mm_1 = None
     getitem = bucket0_scale[0];  bucket0_scale = None
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', -5147003848419962538, 'avg', device(type='cpu'));  plan_check_start_default = None
     bucket0_scale_checked = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
@@ -135,13 +133,12 @@ def forward(self, x_1, w1_1, w2_1):
         fuse(gm, algorithm="concat")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1, grad1_1, grad2_1):
-    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 2860895155221077544, device(type='cpu'))
-    plan_divisor_default = torch.ops.ddp_fusion.plan_divisor.default('0', 'avg', device(type='cpu'))
+    plan_check_start_default = torch.ops.ddp_fusion.plan_check_start.default('0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 2860895155221077544, device(type='cpu'), 'avg')
     mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
     t = torch.ops.aten.t.default(mm)
     mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
     add = torch.ops.aten.add.Tensor(grad2_1, mm_1);  mm_1 = None
-    div_tensor = torch.ops.aten.div.Tensor(add, plan_divisor_default);  add = plan_divisor_default = None
+    div_tensor = torch.ops.aten.div.Tensor(add, plan_check_start_default);  add = None
     bucket0_write = torch.ops.aten.copy_.default(grad2_1, div_tensor);  div_tensor = None
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
@@ -203,7 +200,6 @@ class TestCudaGraphPartitions(expecttest.TestCase):
         fuse(gm, algorithm="concat")
         self.assertExpectedInline(self.check(gm), """\
 not captured: plan_check_start_default
-not captured: plan_divisor_default
 captured: mm, t, mm_1, mul, sum_1, view_default, div_tensor
 not captured: plan_guard_default
 captured: div_tensor_1, bucket0_cat
@@ -216,7 +212,6 @@ captured: bucket0_split, getitem, view_default_1, getitem_1""")
         fuse(gm, algorithm="coalesced")
         self.assertExpectedInline(self.check(gm), """\
 not captured: plan_check_start_default
-not captured: plan_divisor_default
 captured: mm, t, mm_1, mul, sum_1, bucket0_scale, getitem
 not captured: plan_guard_default
 captured: bucket0_scale_checked
@@ -229,7 +224,6 @@ captured: alias_default, alias_default_1""")
         fuse(gm, algorithm="concat")
         self.assertExpectedInline(self.check(gm), """\
 not captured: plan_check_start_default
-not captured: plan_divisor_default
 captured: mm, t, mm_1, add, div_tensor, bucket0_write, mul, sum_1, add_1
 not captured: plan_guard_default
 captured: div_tensor_1, bucket0_write_1
@@ -956,7 +950,34 @@ def test_only_the_plan_check_start_takes_the_plans_text():
         guards[n] = str_sizes(gm, PLAN_GUARD)
         starts[n] = str_sizes(gm, torch.ops.ddp_fusion.plan_check_start.default)
     assert guards[8] and guards[8] == guards[64], guards
-    assert len(starts[64]) == 2 and starts[64][1] > starts[8][1], starts
+    assert len(starts[64]) == 3 and starts[64][1] > starts[8][1] and starts[64][2] == starts[8][2], starts
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_the_start_returns_its_reduce_ops_divisor_and_other_keys_get_a_divisor_op():
+    """The group's start returns the divisor of its first key (no ``plan_divisor`` op for
+    it: one op call fewer a step); a second reduce op of the same group gets its own
+    ``plan_divisor``. Run on the fake group of 2: ``avg`` divides by 2, ``sum`` by 1."""
+    from ddp_fusion import plan_check
+    from ddp_fusion.passes._graph import NodeMaker
+    from ddp_fusion.passes.guard import insert_plan_guards
+
+    group = dist.group.WORLD.group_name
+    cpu = torch.device("cpu")
+    plan = '{"algorithm": "concat", "buckets": [], "unfused": []}'
+    h = plan_check.plan_hash(plan)
+    for op, want in (("avg", 2.0), ("sum", 1.0)):
+        out = plan_check.PLAN_CHECK_START(group, plan, h, cpu, op)
+        assert out.shape == () and out.dtype == torch.float32 and out.item() == want, (op, out)
+        assert plan_check.PLAN_GUARD(out, group, h, op, cpu).item() == want
+    graph = torch.fx.Graph()
+    graph.placeholder("x")
+    guards = insert_plan_guards(NodeMaker(graph), [(group, "avg", cpu), (group, "sum", cpu)], {group: plan})
+    (start, avg_guard), (divisor, sum_guard) = guards[group, "avg", cpu], guards[group, "sum", cpu]
+    assert start.target is plan_check.PLAN_CHECK_START and start.args[-1] == "avg"
+    assert divisor.target is plan_check.PLAN_DIVISOR and divisor.args == (group, "sum", cpu)
+    assert avg_guard.args[0] is start and sum_guard.args[0] is start
+    assert len(graph.find_nodes(op="call_function", target=plan_check.PLAN_CHECK_START)) == 1
 
 
 @pytest.mark.usefixtures("fake_pg")

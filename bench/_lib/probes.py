@@ -51,7 +51,7 @@ def plan_check_calls(rank: int, world_size: int, calls: int, rounds: int) -> dic
         "all_gather of 1 int64 per rank (before)": lambda: dist.all_gather_into_tensor(everyone, one),
         "host group max of 2 int64 (the exchange now)": lambda: host.max([rank, -rank]),
         "plan_check_start + plan_guard, back to back": lambda: plan_check.PLAN_GUARD(
-            plan_check.PLAN_CHECK_START(name, text, h, cpu), name, h, "avg", cpu),
+            plan_check.PLAN_CHECK_START(name, text, h, cpu, "avg"), name, h, "avg", cpu),
         "max started, GIL held 2 ms, collected": lambda: _busy_then_collect(host, rank, 0.002),
     }
     for fn in modes.values():  # warm up

@@ -1,15 +1,16 @@
 """The per-step cross-rank plan check, in two parts (see ddp_fusion/plan_check.py)::
 
-    token   = ddp_fusion.plan_check_start('0', '<this group's bucket plan as JSON>', h, cpu)
-    divisor = ddp_fusion.plan_divisor('0', 'avg', cpu)          # does not wait
+    divisor = ddp_fusion.plan_check_start('0', '<this group's bucket plan as JSON>', h, cpu, 'avg')
     ...                                                         # backward compute
     g1 / divisor, ..., g(n-1) / divisor                         # fused into their kernels
-    checked = ddp_fusion.plan_guard(token, '0', h, 'avg', cpu)  # waits
+    checked = ddp_fusion.plan_guard(divisor, '0', h, 'avg', cpu)  # waits
     gn / checked                                                # the bucket's last gradient
     flat = cat([...]); all_reduce(flat)                         # concat.py / coalesced.py
 
-one start (and divisor) per process group at graph start, one guard per (group, reduce
-op): each bucket's last-ready gradient is scaled by the guard's divisor, so no
+one start per process group at graph start, which does not wait and returns the divisor
+of the group's first (reduce op, device) (a ``plan_divisor`` gives any other's; the
+guard takes the start's output as its token), one guard per (group, reduce op): each
+bucket's last-ready gradient is scaled by the guard's divisor, so no
 collective of the group can be issued before the check, and the guard's wait comes
 where the group's first bucket is issued (``place_guards``), not at the start of
 backward.
@@ -44,9 +45,10 @@ def insert_plan_guards(make: NodeMaker, keys: list[tuple[str, str, torch.device]
                        plans: dict[str, str]) -> Divisors:
     """At graph start, one ``plan_check_start`` per group; for each key (group name,
     reduce op, device) of a bucket or an unfused all-reduce, in order, the divisor node
-    (``plan_divisor``, no wait) and the guard node (the checked divisor, to be moved
-    before its first user by ``place_guards``). ``plans``: each group's plan
-    (:func:`group_plans`)."""
+    (no wait: the group's start for its first key, which returns that key's divisor, a
+    ``plan_divisor`` for any other; one op call fewer per group and step) and the guard
+    node (the checked divisor, to be moved before its first user by ``place_guards``).
+    ``plans``: each group's plan (:func:`group_plans`)."""
     guards: Divisors = {}
     starts: dict[str, torch.fx.Node] = {}
     placeholders = make.graph.find_nodes(op="placeholder")
@@ -58,11 +60,11 @@ def insert_plan_guards(make: NodeMaker, keys: list[tuple[str, str, torch.device]
             group, reduce_op, device = k
             h = plan_hash(plans[group])  # (the ops key their state by it, never hash the text)
             if group not in starts:
-                starts[group] = make(PLAN_CHECK_START, (group, graph_text(plans[group]), h, device))
-            guards[k] = (
-                make(PLAN_DIVISOR, (group, reduce_op, device)),
-                make(PLAN_GUARD, (starts[group], group, h, reduce_op, device)),
-            )
+                divisor = starts[group] = make(
+                    PLAN_CHECK_START, (group, graph_text(plans[group]), h, device, reduce_op))
+            else:
+                divisor = make(PLAN_DIVISOR, (group, reduce_op, device))
+            guards[k] = (divisor, make(PLAN_GUARD, (starts[group], group, h, reduce_op, device)))
     return guards
 
 
