@@ -29,8 +29,7 @@ backward and waits where the first bucket is issued). The max never runs on a th
 this process, whose Python would need the GIL between rounds while the main thread runs
 backward (each round would then wait up to Python's switch interval, 5 ms). Over two
 ranks it is one message each way on a TCP connection of the pair's own
-(:class:`PairChannel`): sent by the caller, carried by the kernel, read when collected;
-two ranks on one host write and read it in shared memory instead (:class:`Mailbox`).
+(:class:`PairChannel`): sent by the caller, carried by the kernel, read when collected.
 Over more, each rank has an *exchange relay* (``_relay.py``), a small process of its
 own (standard library only) connected to its peers' relays: the caller sends its values
 to it and reads the max back, on the same kind of channel, and the relays run the rounds
@@ -68,16 +67,13 @@ using it after that raises :class:`HostGroupError`.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import datetime
 import functools
 import ipaddress
 import json
-import mmap
 import os
 import pickle
 import queue
-import secrets
 import socket
 import struct
 import subprocess
@@ -223,8 +219,8 @@ class HostGroup:
     def _pair_channel(self, connect_s: float) -> PairChannel:
         """The TCP connection of a group of two (:class:`PairChannel`): group rank 0
         listens where gloo does and says where in the store, rank 1 connects, and each
-        names the group to the other, then they share a :class:`Mailbox` where they can;
-        within ``connect_s``, else :class:`HostGroupError` on both ranks."""
+        names the group to the other; within ``connect_s``, else :class:`HostGroupError`
+        on both ranks."""
         store = _torch.distributed.default_store()
         key, hello = f"{self.prefix}/pair", self.prefix
         deadline = time.monotonic() + connect_s
@@ -242,14 +238,13 @@ class HostGroup:
                 _relay.send_text(sock, hello)
                 if _relay.read_text(sock, deadline) != hello:
                     raise ConnectionError(f"{host}:{port} answered for another group")
-            mailbox = _share_mailbox(sock, self.rank, deadline)
         except Exception as e:  # noqa: BLE001 - named in the error every rank raises
             raise HostGroupError(self._cannot(
                 f"group rank {self.rank} ({_where()}) could not make the TCP connection of the "
                 f"two ranks' exchanges ({type(e).__name__}: {e})")) from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (a few bytes: now)
         peer = f"group rank {1 - self.rank} of process group {self.group_name!r}"
-        return PairChannel(sock, self.timeout, peer, mailbox)
+        return PairChannel(sock, self.timeout, peer)
 
     def _relay_channel(self, connect_s: float) -> PairChannel:
         """The channel to this rank's exchange relay (``_relay.py``: a process of its
@@ -469,28 +464,17 @@ class PairChannel:
     gloo's own point-to-point messages, tried first, took 0.1-5 ms to post on a busy
     2-core host (bench/results/host_bound_cpu_2026-11-26.md).
 
-    Two ranks on one host share a :class:`Mailbox` too (``mailbox``): a message of a few
-    values is then written to memory the peer reads, and neither rank makes a syscall
-    while the peer's values are there when it collects. Inside a step each socket
-    syscall took 30-60 us of cold kernel and interpreter paths, a write or read of the
-    mailbox 2 (bench/results/plan_ops_cpu_2026-11-28.md). The connection stays: a rank
-    that waits for a message polls it, so that the peer's end (its process died) fails
-    the exchange at once, and the peer rings it (an empty frame) when it posts the
-    message that rank waits for; longer messages travel on it, with their number.
-
     Messages are framed (a count of int64, then the values) and taken in the order they
     were posted, which is the same on both ranks; one collected out of order waits here
     until its own comes. A count that differs from this rank's means the ranks asked for
     different exchanges: :class:`HostGroupError`. The socket does not block: every wait
     is a ``poll`` bounded by the group's timeout (or the caller's)."""
 
-    def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer",
-                 mailbox: Mailbox | None = None) -> None:
+    def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> None:
         _channels.add(self)
         sock.setblocking(False)
         self._sock, self._peer = sock, peer
         self._timeout = timeout
-        self._mailbox = mailbox
         self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
         self._posted = self._read = 0
         self._buf = bytearray()  # received, not yet a whole message
@@ -502,23 +486,10 @@ class PairChannel:
         later. (Packed with ``struct``, not through a numpy array: about 6 µs less a
         plan check in a step, bench/results/issue36_check_cpu_2026-11-28.md.)"""
         mine = [int(v) for v in mine]
+        frame = memoryview(_FRAME.pack(len(mine)) + struct.pack(f"<{len(mine)}q", *mine))
         deadline = None
         with self._send_lock:
             seq, self._posted = self._posted, self._posted + 1
-            box = self._mailbox
-            if box is None:
-                frame = _FRAME.pack(len(mine)) + struct.pack(f"<{len(mine)}q", *mine)
-            else:
-                while not box.has_room(seq):  # (the peer is DEPTH messages behind)
-                    deadline = deadline or time.monotonic() + self._timeout.total_seconds()
-                    with self._recv_lock:
-                        if not self._receive():
-                            self._wait(deadline, writing=False, tick=True)
-                frame = b"" if box.write(seq, mine) else (
-                    _FRAME.pack(len(mine) + 1) + struct.pack(f"<{len(mine) + 1}q", seq, *mine))
-                if box.peer_waiting():
-                    frame += _FRAME.pack(0)  # the bell
-            frame = memoryview(frame)
             try:
                 while frame:
                     try:
@@ -542,50 +513,17 @@ class PairChannel:
         """The peer's values of exchange ``seq``, waited for until ``deadline``
         (``time.monotonic``)."""
         with self._recv_lock:
-            box = self._mailbox
-            if box is None:
-                while seq not in self._early:
-                    if not self._receive():
-                        self._wait(deadline, writing=False)
-                return self._early.pop(seq)
-            try:
-                while not self._from_mailbox(seq):
-                    box.waiting(seq)
-                    if self._from_mailbox(seq):
-                        break
-                    if not self._receive():  # (the bell, a long message, or the peer's end)
-                        self._wait(deadline, writing=False, tick=True)
-            finally:
-                box.waiting(None)
+            while seq not in self._early:
+                if not self._receive():
+                    self._wait(deadline, writing=False)
             return self._early.pop(seq)
-
-    def _from_mailbox(self, seq: int) -> bool:
-        """Take the peer's messages from the mailbox, in order, up to ``seq``; whether
-        ``seq``'s values are here (a long one's come on the connection)."""
-        box = self._mailbox
-        if self._fileno() < 0:
-            raise ConnectionError(f"the connection to {self._peer} was closed here: its host group has ended")
-        while self._read <= seq:
-            taken = box.read(self._read)
-            if taken is None:
-                break
-            if taken is not Mailbox.ON_SOCKET:
-                self._early[self._read] = taken
-            self._read += 1
-            box.took(self._read)
-        return seq in self._early
 
     def arrived(self, seq: int) -> bool:
         """Whether the peer's values of exchange ``seq`` are here: collecting them would
         not wait for the peer."""
         with self._recv_lock:
-            if self._mailbox is not None and self._from_mailbox(seq):
-                return True
             self._receive()
             return seq in self._early
-
-    def _fileno(self) -> int:
-        return self._sock.fileno()
 
     def _receive(self) -> bool:
         """Read what has arrived, without waiting; whether anything had."""
@@ -616,151 +554,22 @@ class PairChannel:
             end = at + _FRAME.size + 8 * count
             if len(buf) < end:
                 break
-            values = struct.unpack_from(f"<{count}q", buf, at + _FRAME.size)
-            if self._mailbox is None:
-                self._early[self._read] = values
-                self._read += 1
-            elif count:  # (with a mailbox: a long message, numbered; or the bell, empty)
-                self._early[values[0]] = values[1:]
+            self._early[self._read] = struct.unpack_from(f"<{count}q", buf, at + _FRAME.size)
+            self._read += 1
             at = end
         del buf[:at]
         return True
 
-    def _wait(self, deadline: float, writing: bool, tick: bool = False) -> None:
-        """Wait until the socket can be written (``writing``) or read, or until
-        ``deadline`` (TimeoutError); with ``tick``, at most a millisecond: a rank that
-        waits for the mailbox looks at it again then, in case the peer wrote its message
-        just as this rank said it waits (and did not ring)."""
+    def _wait(self, deadline: float, writing: bool) -> None:
         left = deadline - time.monotonic()
         reading, sending = ([], [self._sock]) if writing else ([self._sock], [])
-        ready = left > 0 and any(_relay.ready(reading, sending, min(left, 1e-3) if tick else left))
-        if not ready and (not tick or time.monotonic() >= deadline):
+        ready = left > 0 and any(_relay.ready(reading, sending, left))
+        if not ready:
             what = "read nothing" if writing else "sent nothing"
             raise TimeoutError(f"{self._peer} {what} in time (it died, or is stuck before this exchange)")
 
     def close(self) -> None:
         self._sock.close()
-
-
-class Mailbox:
-    """Memory that the two ranks of a pair on one host share (:func:`_share_mailbox`):
-    for each rank a ring of :data:`DEPTH` slots, slot ``seq % DEPTH`` holding its message
-    ``seq`` (the number, the count of values, up to :data:`VALUES` of them, and the
-    ``hash`` of those seven words, so that a slot read while it is written reads as not
-    there yet: a CRC-32 of them cost 30 us inside a step, its table cold), and a
-    control line: how many of the peer's messages it has taken (a slot is written again
-    only after that), and which one it waits for (the peer then rings the connection)."""
-
-    DEPTH = 64
-    VALUES = 5
-    _SLOT = struct.Struct("<8q")  # seq, count, values, the hash of those seven
-    _WORD = struct.Struct("<q")
-    #: What :meth:`read` returns for a message too long for its slot (it comes on the socket).
-    ON_SOCKET = ()
-    SIZE = 2 * 64 * (DEPTH + 1)
-
-    def __init__(self, memory: mmap.mmap, rank: int) -> None:
-        self._memory = memory  # (mapped until the process ends: the views below hold it)
-        self._view = memoryview(memory)
-        half = self.SIZE // 2
-        self._mine, self._theirs = rank * half, (1 - rank) * half
-
-    def write(self, seq: int, values: Sequence[int]) -> bool:
-        """Put this rank's message ``seq`` in its slot; whether its values fit there."""
-        fits = len(values) <= self.VALUES
-        head = (seq, len(values), *(values if fits else ()),
-                *((0,) * (self.VALUES - len(values) if fits else self.VALUES)))
-        at = self._mine + 64 * (1 + seq % self.DEPTH)
-        self._SLOT.pack_into(self._view, at, *head, hash(head))
-        return fits
-
-    def read(self, seq: int) -> tuple[int, ...] | None:
-        """The peer's message ``seq``: its values (:data:`ON_SOCKET` where too long), or
-        None where it is not (wholly) written yet."""
-        at = self._theirs + 64 * (1 + seq % self.DEPTH)
-        words = self._SLOT.unpack(self._view[at:at + 64].tobytes())  # (one copy, then checked)
-        head = words[:7]
-        if head[0] != seq or hash(head) != words[7]:
-            return None
-        count = head[1]
-        return head[2:2 + count] if count <= self.VALUES else self.ON_SOCKET
-
-    def has_room(self, seq: int) -> bool:
-        """Whether the peer has taken message ``seq - DEPTH``, whose slot ``seq`` takes."""
-        return seq - self._WORD.unpack_from(self._view, self._theirs)[0] < self.DEPTH
-
-    def took(self, count: int) -> None:
-        """This rank has taken the peer's first ``count`` messages."""
-        self._WORD.pack_into(self._view, self._mine, count)
-
-    def waiting(self, seq: int | None) -> None:
-        """This rank waits for the peer's message ``seq`` (None: for none)."""
-        self._WORD.pack_into(self._view, self._mine + 8, 0 if seq is None else seq + 1)
-
-    def peer_waiting(self) -> bool:
-        return self._WORD.unpack_from(self._view, self._theirs + 8)[0] != 0
-
-
-def _share_mailbox(sock: socket.socket, rank: int, deadline: float) -> Mailbox | None:
-    """Over a pair's new connection: rank 0 makes a file of :data:`Mailbox.SIZE` bytes in
-    ``/dev/shm`` (with a random name and a random word at its end) and names both; rank 1
-    maps it and says whether it read that word there (only a rank on the same host, and
-    of the same user, can); rank 0 then removes the file. The mailbox both map, or None
-    (no ``/dev/shm``, another host or container): then messages go on the connection."""
-    if rank == 0:
-        path, word, memory = _make_mailbox_file()
-        _relay.send_text(sock, "" if memory is None else f"{path}|{word}|{hash(_HASH_PROBE)}")
-        try:
-            shared = _relay.read_text(sock, deadline) == "yes"
-        finally:
-            if path:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-    else:
-        offer = _relay.read_text(sock, deadline).split("|")
-        # (the slots' check is Python's hash of ints: the same in both interpreters?)
-        memory = _map_mailbox_file(*offer[:2]) if offer[-1] == str(hash(_HASH_PROBE)) else None
-        _relay.send_text(sock, "no" if memory is None else "yes")
-        shared = memory is not None
-    return Mailbox(memory, rank) if shared and memory is not None else None
-
-
-_HASH_PROBE = (1, -(1 << 62), 3, 1 << 40, -5, 6, 7)
-
-
-def _make_mailbox_file() -> tuple[str, str, mmap.mmap | None]:
-    word = secrets.token_hex(8)
-    path = f"/dev/shm/ddp_fusion-{os.getpid()}-{secrets.token_hex(8)}"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return "", word, None
-    try:
-        os.ftruncate(fd, Mailbox.SIZE + 64)
-        memory = mmap.mmap(fd, Mailbox.SIZE + 64)
-    except OSError:
-        os.unlink(path)
-        return "", word, None
-    finally:
-        os.close(fd)
-    memory[Mailbox.SIZE:Mailbox.SIZE + len(word)] = word.encode()
-    return path, word, memory
-
-
-def _map_mailbox_file(path: str, word: str) -> mmap.mmap | None:
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        memory = mmap.mmap(fd, Mailbox.SIZE + 64)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    if memory[Mailbox.SIZE:Mailbox.SIZE + len(word)] != word.encode():
-        return None
-    return memory
 
 
 #: A :class:`PairChannel` message's header: the number of int64 values that follow.

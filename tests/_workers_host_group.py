@@ -54,13 +54,6 @@ def _tickets() -> int:
     return 0 if known is None else known[1]._tickets
 
 
-def _mailbox() -> bool | None:
-    """Whether this round's host group exchanges through a mailbox (two ranks on one
-    host); None without a host group."""
-    known = host_group.known(dist.group.WORLD.group_name)
-    return None if known is None else known[1]._channel._mailbox is not None
-
-
 def _round(rank, world_size, store, flag, compiled, steps=3):
     """init_process_group on ``store``; torch DDP with ``flag`` (``compiled``: torch.compile'd;
     else ddp_fusion's wrapper, uncompiled) for ``steps`` steps, and eager torch DDP on
@@ -70,7 +63,7 @@ def _round(rank, world_size, store, flag, compiled, steps=3):
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(8, 64, generator=gen) for _ in range(steps)]
     base = mlp()
-    nets, checked_here, mailbox = [], None, None
+    nets, checked_here = [], None
     for fused in (False, flag):
         if compiled:
             torch._dynamo.reset()
@@ -91,7 +84,6 @@ def _round(rank, world_size, store, flag, compiled, steps=3):
                 # the per-step plan check ran its exchanges on this round's host group,
                 # not on the round before's, which ended with that round's group
                 checked_here = _tickets() - before >= steps
-                mailbox = _mailbox()
             nets.append(net)
         del model, opt
     diff = max((a - b).abs().max().item() for a, b in zip(*(n.parameters() for n in nets)))
@@ -102,7 +94,7 @@ def _round(rank, world_size, store, flag, compiled, steps=3):
     dist.destroy_process_group()
     gc.collect()
     return {**_resources(), "diff": diff, "children_before_destroy": during,
-            "checked_here": checked_here, "mailbox": mailbox}
+            "checked_here": checked_here}
 
 
 def regroup(rank, world_size, tmpdir, compiled, rounds=3):

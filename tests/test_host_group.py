@@ -64,17 +64,12 @@ def test_peers_are_those_of_the_exchange(size):
     assert all(len(peers[r]) == (p.bit_length() - 1) + (r + p < size) for r in range(p))
 
 
-@pytest.fixture(params=["socket", "mailbox"])
-def pair(request):
-    """The two ends of a :class:`host_group.PairChannel` (one process, a socket pair),
-    without and with a shared :class:`host_group.Mailbox` (as two ranks on one host)."""
-    import mmap
-
+@pytest.fixture
+def pair():
+    """The two ends of a :class:`host_group.PairChannel` (one process, a socket pair)."""
     a, b = __import__("socket").socketpair()
     timeout = datetime.timedelta(seconds=5)
-    memory = mmap.mmap(-1, host_group.Mailbox.SIZE) if request.param == "mailbox" else None
-    boxes = [None, None] if memory is None else [host_group.Mailbox(memory, r) for r in (0, 1)]
-    ends = tuple(host_group.PairChannel(end, timeout, mailbox=box) for end, box in zip((a, b), boxes))
+    ends = host_group.PairChannel(a, timeout), host_group.PairChannel(b, timeout)
     yield ends
     for end in ends:
         end.close()
@@ -117,12 +112,8 @@ def test_a_pair_exchange_whose_peer_has_gone_raises_at_once_and_one_never_answer
     theirs.close()
     with pytest.raises(ConnectionError, match="the peer closed the connection"):
         pending.result()
-    if mine._mailbox is None:
-        with pytest.raises(ConnectionError, match="could not send to the peer: its process ended"):
-            mine.post(np.array([0]))
-    else:  # (a post to the mailbox makes no syscall: collecting it finds the end)
-        with pytest.raises(ConnectionError, match="the peer closed the connection"):
-            mine.post(np.array([0])).result()
+    with pytest.raises(ConnectionError, match="could not send to the peer: its process ended"):
+        mine.post(np.array([0]))
 
 
 def test_a_pair_message_that_arrives_in_pieces_is_collected_whole_after_a_timeout(pair):
@@ -130,81 +121,12 @@ def test_a_pair_message_that_arrives_in_pieces_is_collected_whole_after_a_timeou
 
     mine, theirs = pair
     exchange = mine.post(np.array([4, -4]))
-    values = [6, -6] if mine._mailbox is None else [0, 6, -6]  # (with a mailbox: numbered)
-    frame = host_group._FRAME.pack(len(values)) + np.array(values, dtype="<i8").tobytes()
+    frame = host_group._FRAME.pack(2) + np.array([6, -6], dtype="<i8").tobytes()
     theirs._sock.send(frame[:7])  # (the header and part of the first value)
     with pytest.raises(TimeoutError, match="sent nothing in time"):
         exchange.result(timeout=0.1)
     theirs._sock.send(frame[7:])
     assert exchange.result() == [6, -4]
-
-
-@pytest.mark.parametrize("pair", ["mailbox"], indirect=True)
-def test_a_mailbox_carries_short_messages_and_the_connection_long_ones_and_the_bell(pair):
-    """With a mailbox a message of up to five values goes through shared memory (no
-    byte on the connection), a longer one on the connection with its number, in any
-    mix; a rank that waits is rung when the peer posts; more messages than the ring
-    holds, collected later, wait for room instead of overwriting."""
-    import threading
-    import time
-
-    mine, theirs = pair
-    long = list(range(9))
-    posted = [mine.post([1, -1]), mine.post(long), mine.post([3])]
-    # only the long one went on the connection: a count, then its number and 9 values
-    assert len(theirs._sock.recv(1 << 16, __import__("socket").MSG_PEEK)) == host_group._FRAME.size + 8 * 10
-    answers = [theirs.post([2, -2]), theirs.post([-x for x in long]), theirs.post([0])]
-    assert [p.result() for p in posted] == [[2, -1], long, [3]]
-    assert [a.result() for a in answers] == [[2, -1], long, [3]]
-    # a waiting rank is rung: collected within a millisecond tick's reach, not a timeout
-    waiting = mine.post([5])
-    late = threading.Timer(0.05, lambda: theirs.post([7]))
-    late.start()
-    start = time.monotonic()
-    assert waiting.result() == [7]
-    assert time.monotonic() - start < 1
-    late.join()
-    assert theirs.take(3, time.monotonic() + 1) == (5,)  # (all of mine taken)
-    # the ring: DEPTH messages the peer has not taken fill it; the next one waits for room
-    depth = host_group.Mailbox.DEPTH
-    posts = [mine.post([i]) for i in range(depth)]
-    blocked = threading.Thread(target=lambda: posts.append(mine.post([depth])))
-    blocked.start()
-    time.sleep(0.05)
-    assert blocked.is_alive()
-    assert theirs.take(4, time.monotonic() + 1) == (0,)
-    blocked.join(timeout=2)
-    assert not blocked.is_alive() and len(posts) == depth + 1
-
-
-def test_two_processes_on_one_host_share_a_mailbox_and_ranks_elsewhere_do_not():
-    """The pair's set-up over a connection: rank 1 maps the file rank 0 offers only where
-    it finds rank 0's word in it; rank 0 removes the file whatever the answer."""
-    import os
-    import socket
-    import threading
-    import time
-
-    a, b = socket.socketpair()
-    with a, b:
-        deadline = time.monotonic() + 5
-        result = {}
-        t = threading.Thread(target=lambda: result.setdefault(1, host_group._share_mailbox(b, 1, deadline)))
-        t.start()
-        box0 = host_group._share_mailbox(a, 0, deadline)
-        t.join()
-        assert box0 is not None and result[1] is not None
-        box0.write(0, [11, -11])
-        assert result[1].read(0) == (11, -11)
-        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"ddp_fusion-{os.getpid()}-")]
-        # another host: the offered file is not there (or holds another word)
-        assert host_group._map_mailbox_file("/dev/shm/ddp_fusion-nowhere", "0" * 16) is None
-        path, word, memory = host_group._make_mailbox_file()
-        try:
-            assert host_group._map_mailbox_file(path, "f" * 16) is None
-            assert host_group._map_mailbox_file(path, word) is not None
-        finally:
-            os.unlink(path)
 
 
 def test_a_pair_exchange_collected_after_its_host_group_ended_says_so(pair):
