@@ -32,9 +32,10 @@ view; one that is not is copied in that order by the ``cat``. With a ``comm_dtyp
 each gradient is cast before its division, and the reduced buffer cast back after the
 wait.
 
-``divisor`` and ``checked`` are the 0-d divisors from the group's ``plan_divisor`` and
-``plan_guard`` (guard.py; the same value, the second after the cross-rank plan check;
-``gn`` is the last gradient to be ready): the world size for ``avg``, 1 for ``sum`` and
+``divisor`` and ``checked`` are the 0-d divisors from the group's ``plan_check_start``
+(or a ``plan_divisor``) and ``plan_guard`` (guard.py; the same value, the second after
+the cross-rank plan check; ``gn`` is the last gradient to be ready): the world size for
+``avg``, 1 for ``sum`` and
 for a comm hook's bucket. The division happens before the sum, as in eager DDP, so
 low-precision gradients do not overflow.
 """
