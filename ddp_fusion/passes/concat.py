@@ -35,9 +35,8 @@ wait.
 ``divisor`` and ``checked`` are the 0-d divisors from the group's ``plan_check_start``
 (or a ``plan_divisor``) and ``plan_guard`` (guard.py; the same value, the second after
 the cross-rank plan check; ``gn`` is the last gradient to be ready): the world size for
-``avg``, 1 for ``sum`` and
-for a comm hook's bucket. The division happens before the sum, as in eager DDP, so
-low-precision gradients do not overflow.
+``avg``, 1 for ``sum`` and for a comm hook's bucket. The division happens before the
+sum, as in eager DDP, so low-precision gradients do not overflow.
 """
 
 from __future__ import annotations
