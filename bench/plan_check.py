@@ -14,11 +14,12 @@ collected: what of it needed this process's GIL waits past the 2 ms. With
 MLP step runs on 4 ranks too (on 2 cores the four ranks share them: an upper bound).
 
 Then, in the same run, the step time of a fused, compiled MLP (the demo's: 8 x
-Linear(512, 512), batch 64) with the check and with its exchange patched out
-(no host group), alternating per round on the same compiled model, so the check's share
-of a step shows; and, with the check, whether each step's exchange had finished by the
-time the guard collected it (the main thread running backward meanwhile),
-and how long the guard blocked on it. The rank functions are in bench/_lib/probes.py.
+Linear(512, 512), batch 64) with the check, with its work skipped (the plan ops entered
+but returning only their divisor: no exchange), and with each plan op's main-thread CPU
+timed, in turn per round on the same compiled model, so the check's share of a step
+shows; and, with the check, whether each step's exchange had finished by the time the
+guard collected it (the main thread running backward meanwhile), and how long the guard
+blocked on it. The rank functions are in bench/_lib/probes.py.
 
     python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20] [--world-size 2]
     python -m bench.plan_check --model hf_gpt2 --rounds 10 --steps 50   # a bench model's step
@@ -128,6 +129,12 @@ def _print_steps(what: str, args: argparse.Namespace, steps: list[dict[str, list
         worst = min if mode.endswith("%") else max
         per_round = [worst(r[mode][i] for r in steps) for i in range(args.rounds)]
         print(f"{mode:<46}{statistics.median(per_round):>11.2f}{max(per_round):>9.2f}")
+    slower = {m: [max(r[m][i] for r in steps) for i in range(args.rounds)]
+              for m in ("with check", "check's work skipped")}
+    ratios = [a / b for a, b in zip(*slower.values())]
+    print(f"with check / check's work skipped, per round: median {statistics.median(ratios):.3f} "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f}, the check slower in "
+          f"{sum(r > 1 for r in ratios)} of {len(ratios)} rounds)")
 
 
 if __name__ == "__main__":

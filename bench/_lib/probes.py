@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import statistics
 import time
 import unittest.mock
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -84,7 +86,7 @@ def _demo_mlp(width: int = 512, depth: int = 8) -> nn.Module:
 
 def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
     """Median step ms per round of the demo MLP, fused and compiled, with the plan check
-    and with its exchange patched out (:func:`_check_or_not`)."""
+    and with its work skipped (:func:`_check_or_not`)."""
     with ddp_fusion.config.patch(enabled=True):
         model = torch.compile(ddp_fusion.DistributedDataParallel(_demo_mlp()))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -109,14 +111,24 @@ def plan_check_job_step(rank: int, world_size: int, rounds: int, steps: int) -> 
 
 
 def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str, list[float]]:
-    """Median ms per round of ``step`` (compiled, fused) with the plan check and with its
-    exchange patched out (no host group: no exchange, no comparison), alternating per
-    round on the same compiled model. With the check, also per round: the share of steps
-    whose exchange had finished when the guard came to collect it (the main thread busy
-    in backward meanwhile), and the median and mean time the guard spent collecting it
-    (us: a mean far above the median is the steps whose guard waited for a late peer)."""
+    """Median ms per round of ``step`` (compiled, fused) in three modes, in turn per round
+    on the same compiled model:
+
+    * ``with check``: as it ships;
+    * ``check's work skipped``: the plan ops still entered, but each only returns its
+      divisor (no exchange, no bookkeeping; :func:`_plan_ops_skipped`): the difference
+      is what the check's own work costs a step;
+    * ``with check, ops timed``: each plan op's main-thread CPU (``time.thread_time``
+      around its body), per step: the ops' whole price on this rank's host, entry and
+      the cold caches they meet included, but not the dispatcher's part of the call.
+
+    With the check, also per round: the share of steps whose exchange had finished when
+    the guard came to collect it (the main thread busy in backward meanwhile), and the
+    median and mean time the guard spent collecting it (us: a mean far above the median
+    is the steps whose guard waited for a late peer)."""
     collected: list[tuple[bool, float]] = []
     outcome = plan_check.outcome
+    op_cpu: dict[str, float] = {}
 
     def timed_outcome(exchange, group_name):
         done, t0 = exchange.done(), time.perf_counter()
@@ -124,30 +136,94 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str
         collected.append((done, (time.perf_counter() - t0) * 1e6))
         return result
 
-    modes = ("with check", "check patched out")
+    modes = ("with check", "check's work skipped", "with check, ops timed")
     out: dict[str, list[float]] = {m: [] for m in modes}
-    out |= {"exchange done at the guard, %": [], "guard collecting, median us": [],
-            "guard collecting, mean us": []}
+    out |= {"plan ops' CPU per step, median us": [], "exchange done at the guard, %": [],
+            "guard collecting, median us": [], "guard collecting, mean us": []}
+    op_steps: list[float] = []
     for i in range(rounds):
-        for mode in modes if i % 2 == 0 else modes[::-1]:
-            patch = (unittest.mock.patch.object(plan_check, "outcome", timed_outcome)
-                     if mode == "with check"
-                     else unittest.mock.patch.object(host_group, "of", lambda group: None))
+        for mode in modes[i % 3:] + modes[:i % 3]:
+            if mode == "with check":
+                patch = unittest.mock.patch.object(plan_check, "outcome", timed_outcome)
+            elif mode == "check's work skipped":
+                patch = _plan_ops_skipped()
+            else:
+                patch = _plan_ops_timed(op_cpu)
             collected.clear()
+            op_steps.clear()
             with patch:
                 times = []
                 for _ in range(steps):
+                    op_cpu.clear()
                     dist.barrier()
                     t0 = time.perf_counter()
                     step()
                     times.append((time.perf_counter() - t0) * 1e3)
+                    op_steps.append(sum(op_cpu.values()))
             out[mode].append(statistics.median(times))
             if mode == "with check":
                 done = sum(d for d, _ in collected)
                 out["exchange done at the guard, %"].append(100 * done / len(collected))
                 out["guard collecting, median us"].append(statistics.median(w for _, w in collected))
                 out["guard collecting, mean us"].append(statistics.fmean(w for _, w in collected))
+            elif mode == "with check, ops timed":
+                out["plan ops' CPU per step, median us"].append(statistics.median(op_steps) * 1e6)
     return out
+
+
+_PLAN_OPS = ("plan_check_start", "plan_guard", "plan_divisor")
+
+
+# the plan ops' kernels as the probes replace them (a library of the probes' own: the
+# dispatcher calls the latest registration)
+_PROBE_LIB = torch.library.Library("ddp_fusion", "FRAGMENT")
+
+
+@contextlib.contextmanager
+def _plan_ops(impls: dict[str, Callable[..., torch.Tensor]]):
+    """The plan ops' CPU kernels replaced by ``impls`` for the block (the shipped ones
+    are registered again after it)."""
+    def register(name: str, fn: Callable[..., torch.Tensor]) -> None:
+        with warnings.catch_warnings():  # (that it overrides a kernel: that is the point)
+            warnings.simplefilter("ignore", UserWarning)
+            _PROBE_LIB.impl(name, fn, "CompositeExplicitAutograd")
+
+    for name, fn in impls.items():
+        register(name, fn)
+    try:
+        yield
+    finally:
+        for name in impls:
+            register(name, getattr(plan_check, name))
+
+
+def _plan_ops_skipped():
+    """The plan ops entered as in a step, each returning only its divisor (what
+    ``plan_divisor`` gives): no exchange is posted or collected."""
+    def start(group_name, plan, plan_hash, device, reduce_op="avg"):
+        return plan_check.plan_divisor(group_name, reduce_op, device)
+
+    def guard(token, group_name, plan_hash, reduce_op, device):
+        return plan_check.plan_divisor(group_name, reduce_op, device)
+
+    return _plan_ops({"plan_check_start": start, "plan_guard": guard,
+                      "plan_divisor": plan_check.plan_divisor})
+
+
+def _plan_ops_timed(acc: dict[str, float]):
+    """The shipped plan ops, each one's main-thread CPU added to ``acc[name]``."""
+    def timed(name: str) -> Callable[..., torch.Tensor]:
+        fn = getattr(plan_check, name)
+
+        def op(*args):
+            c0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                acc[name] = acc.get(name, 0.0) + time.thread_time() - c0
+        return op
+
+    return _plan_ops({name: timed(name) for name in _PLAN_OPS})
 
 
 def powersgd_trial(rank: int, world_size: int, mode: str, steps: int) -> int:
