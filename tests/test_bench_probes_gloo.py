@@ -1,8 +1,8 @@
 """bench.plan_check's step modes (2 gloo ranks): the mode that skips the check's work
-posts no exchange, and the two with the check post one each step. (Since the plan check
-took its host group from ``host_group.known``, the earlier "patched out" mode, which
-made ``host_group.of`` return None, left every steady step's exchange in place: it
-compared the check with itself.)"""
+posts no exchange, and the two with the check post one each step. (Since a steady
+step's check stopped calling ``host_group.of`` (733abea), the earlier "patched out" mode,
+which made that return None, left every steady step's exchange in place: it compared
+the check with itself.)"""
 
 from ddp_fusion.launch import run_ranks
 
