@@ -33,6 +33,7 @@ through the dispatcher) for plans of N gradients: their cost must not grow with 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, choices=sorted(MODELS),
                         help="time this bench.step_time model's ddp_fusion_concat step with and "
                              "without the check, instead of the demo MLP's (the calls are skipped)")
+    parser.add_argument("--compiled-check", action="store_true",
+                        help="with --model: a fourth mode, the check's steady path as a C++ prototype "
+                             "(bench/_lib/compiled_check.py: builds with the C++ compiler and ninja)")
     parser.add_argument("--plan-sizes", default=None, metavar="N,N,...",
                         help="only the plan ops' per-step cost for plans of these numbers of gradients")
     args = parser.parse_args(argv)
@@ -116,7 +120,11 @@ def _model_step(args: argparse.Namespace) -> None:
     try:
         job.start()
         job.run(step.warmup, 5)
-        steps = job.run(probes.plan_check_job_step, args.rounds, args.steps)
+        if args.compiled_check:
+            from bench._lib import compiled_check
+
+            compiled_check.build()  # (once, before the ranks load it)
+        steps = job.run(probes.plan_check_job_step, args.rounds, args.steps, args.compiled_check)
     finally:
         job.stop()
     _print_steps(f"{args.model}, ddp_fusion_concat", args, steps)
@@ -130,11 +138,12 @@ def _print_steps(what: str, args: argparse.Namespace, steps: list[dict[str, list
         per_round = [worst(r[mode][i] for r in steps) for i in range(args.rounds)]
         print(f"{mode:<46}{statistics.median(per_round):>11.2f}{max(per_round):>9.2f}")
     slower = {m: [max(r[m][i] for r in steps) for i in range(args.rounds)]
-              for m in ("with check", "check's work skipped")}
-    ratios = [a / b for a, b in zip(*slower.values())]
-    print(f"with check / check's work skipped, per round: median {statistics.median(ratios):.3f} "
-          f"(range {min(ratios):.3f}-{max(ratios):.3f}, the check slower in "
-          f"{sum(r > 1 for r in ratios)} of {len(ratios)} rounds)")
+              for m in ("with check", "check's work skipped", "C++ check (prototype)") if m in steps[0]}
+    for a, b in itertools.combinations(slower, 2):
+        ratios = [x / y for x, y in zip(slower[a], slower[b])]
+        print(f"{a} / {b}, per round: median {statistics.median(ratios):.3f} "
+              f"(range {min(ratios):.3f}-{max(ratios):.3f}, the first slower in "
+              f"{sum(r > 1 for r in ratios)} of {len(ratios)} rounds)")
 
 
 if __name__ == "__main__":

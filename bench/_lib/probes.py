@@ -102,15 +102,24 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
         return _check_or_not(step, rounds, steps)
 
 
-def plan_check_job_step(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
+def plan_check_job_step(rank: int, world_size: int, rounds: int, steps: int,
+                        compiled_check: bool = False) -> dict[str, list[float]]:
     """:func:`plan_check_step` on the step of the rank's bench job (a ``bench.step_time``
-    model and mode, already warmed up: bench/_lib/step.py)."""
+    model and mode, already warmed up: bench/_lib/step.py); ``compiled_check``: a fourth
+    mode, the check's steady path as C++ kernels (bench/_lib/compiled_check.py)."""
     from bench._lib import step
 
-    return _check_or_not(step.current_step(), rounds, steps)
+    extra = {}
+    if compiled_check:
+        from bench._lib import compiled_check as cc
+
+        extra["C++ check (prototype)"] = lambda: cc.steady_check(dist.group.WORLD)
+    return _check_or_not(step.current_step(), rounds, steps, extra)
 
 
-def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str, list[float]]:
+def _check_or_not(step: Callable[[], None], rounds: int, steps: int,
+                  extra: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+                  ) -> dict[str, list[float]]:
     """Median ms per round of ``step`` (compiled, fused) in three modes, in turn per round
     on the same compiled model:
 
@@ -120,7 +129,8 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str
       is what the check's own work costs a step;
     * ``with check, ops timed``: each plan op's main-thread CPU (``time.thread_time``
       around its body), per step: the ops' whole price on this rank's host, entry and
-      the cold caches they meet included, but not the dispatcher's part of the call.
+      the cold caches they meet included, but not the dispatcher's part of the call;
+    * and each of ``extra``'s, in the block its context manager makes.
 
     With the check, also per round: the share of steps whose exchange had finished when
     the guard came to collect it (the main thread busy in backward meanwhile), and the
@@ -136,14 +146,17 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str
         collected.append((done, (time.perf_counter() - t0) * 1e6))
         return result
 
-    modes = ("with check", "check's work skipped", "with check, ops timed")
+    extra = extra or {}
+    modes = ("with check", "check's work skipped", "with check, ops timed", *extra)
     out: dict[str, list[float]] = {m: [] for m in modes}
     out |= {"plan ops' CPU per step, median us": [], "exchange done at the guard, %": [],
             "guard collecting, median us": [], "guard collecting, mean us": []}
     op_steps: list[float] = []
     for i in range(rounds):
-        for mode in modes[i % 3:] + modes[:i % 3]:
-            if mode == "with check":
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            if mode in extra:
+                patch = extra[mode]()
+            elif mode == "with check":
                 patch = unittest.mock.patch.object(plan_check, "outcome", timed_outcome)
             elif mode == "check's work skipped":
                 patch = _plan_ops_skipped()

@@ -1,0 +1,130 @@
+"""A C++ prototype of the per-step plan check's steady path, for ``bench.plan_check
+--compiled-check`` only: what a compiled steady path would take off a step, next to the
+shipped Python ops (bench/results/plan_check_price_cpu_2026-11-28.md).
+
+Not the product, and not safe as one: ``plan_check_start`` and ``plan_guard`` get C++
+kernels (through a ``torch::Library`` made and dropped around the timed rounds) that send
+and read the two-rank exchange's frame on the host group's own connection, and compare
+(a mismatch is a bare error, with no description; any other exchange on the connection
+meanwhile would be misread). Only a group of two ranks whose host group is made, no
+join divisors, no hooked buckets; waits bounded at 60 s. Built with
+``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja; about 25 s the
+first time, cached after).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.cpp_extension import load_inline
+
+from ddp_fusion import host_group
+
+SOURCE = r'''
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <sys/socket.h>
+#include <poll.h>
+#include <errno.h>
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+static std::unordered_map<std::string, std::pair<int, double>> g_chan;
+static std::unique_ptr<torch::Library> g_lib;
+
+static std::pair<int, double>& chan(c10::string_view name) {
+  auto it = g_chan.find(std::string(name));
+  TORCH_CHECK(it != g_chan.end(), "compiled-check prototype: no channel for group ", std::string(name));
+  return it->second;
+}
+
+static at::Tensor divisor(double d, c10::string_view reduce_op, c10::Device device) {
+  return at::full({}, reduce_op == "avg" ? d : 1.0, at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
+at::Tensor start(c10::string_view group_name, c10::string_view plan, int64_t h, c10::Device device,
+                 c10::string_view reduce_op) {
+  auto& c = chan(group_name);
+  int64_t frame[3] = {2, h, -h};
+  const char* p = reinterpret_cast<const char*>(frame);
+  size_t left = sizeof(frame);
+  while (left) {
+    ssize_t n = ::send(c.first, p, left, MSG_NOSIGNAL);
+    if (n < 0) {
+      TORCH_CHECK(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR,
+                  "compiled-check prototype: send failed, errno ", errno);
+      pollfd pf{c.first, POLLOUT, 0};
+      TORCH_CHECK(::poll(&pf, 1, 60000) > 0, "compiled-check prototype: the peer read nothing in 60 s");
+      continue;
+    }
+    p += n; left -= n;
+  }
+  return divisor(c.second, reduce_op, device);
+}
+
+at::Tensor guard(const at::Tensor& token, c10::string_view group_name, int64_t h, c10::string_view reduce_op,
+                 c10::Device device) {
+  auto& c = chan(group_name);
+  int64_t frame[3];
+  char* p = reinterpret_cast<char*>(frame);
+  size_t left = sizeof(frame);
+  while (left) {
+    ssize_t n = ::recv(c.first, p, left, 0);
+    if (n < 0) {
+      TORCH_CHECK(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR,
+                  "compiled-check prototype: recv failed, errno ", errno);
+      pollfd pf{c.first, POLLIN, 0};
+      TORCH_CHECK(::poll(&pf, 1, 60000) > 0, "compiled-check prototype: the peer sent nothing in 60 s");
+      continue;
+    }
+    TORCH_CHECK(n > 0, "compiled-check prototype: the peer closed the connection");
+    p += n; left -= n;
+  }
+  TORCH_CHECK(frame[0] == 2 && std::max(h, frame[1]) == h && std::max(-h, frame[2]) == -h,
+              "compiled-check prototype: the ranks run different bucket plans");
+  return divisor(c.second, reduce_op, device);
+}
+
+void set_channel(const std::string& name, int64_t fd, double d) { g_chan[name] = {int(fd), d}; }
+
+void enable() {
+  g_lib = std::make_unique<torch::Library>(torch::Library::IMPL, "ddp_fusion",
+                                           c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__);
+  g_lib->impl("plan_check_start", TORCH_FN(start));
+  g_lib->impl("plan_guard", TORCH_FN(guard));
+}
+
+void disable() { g_lib.reset(); }
+'''
+
+
+@functools.cache
+def _extension() -> Any:
+    return load_inline("ddp_fusion_bench_plan_check", SOURCE, functions=["set_channel", "enable", "disable"],
+                       extra_cflags=["-O2"])
+
+
+def build() -> None:
+    """Build (or load) the extension: before the ranks time anything."""
+    _extension()
+
+
+@contextlib.contextmanager
+def steady_check(group: dist.ProcessGroup) -> Iterator[None]:
+    """The plan ops' C++ kernels for the block, on ``group`` (two ranks, its host group
+    made: after the model's first steps)."""
+    known = host_group.known(group.group_name)
+    if known is None or group.size() != 2:
+        raise RuntimeError("the compiled-check prototype needs a group of two ranks whose host group is made")
+    ext = _extension()
+    ext.set_channel(group.group_name, known[1]._channel._sock.fileno(), float(group.size()))
+    ext.enable()
+    try:
+        yield
+    finally:
+        ext.disable()
