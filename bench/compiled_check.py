@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         peer.stop()
         fused.stop()
-    print(f"\n{args.model}: {args.rounds} rounds x {args.steps} steps, median step of the slower rank, ms")
+    print(f"\n{args.model}: {args.rounds} rounds x {args.steps} steps; per round the median over steps "
+          "of the slower rank's step, ms")
     for name, per_round in medians.items():
         print(f"{name:<36}{statistics.median(per_round):>8.3f}   best round {min(per_round):.3f}")
     for a, b in itertools.combinations(names, 2):

@@ -23,6 +23,7 @@ blocked on it. The rank functions are in bench/_lib/probes.py.
 
     python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20] [--world-size 2]
     python -m bench.plan_check --model hf_gpt2 --rounds 10 --steps 50   # a bench model's step
+    python -m bench.plan_check --model hf_gpt2 --rounds 30 --steps 50 --compiled-check   # + the C++ prototype
     python -m bench.plan_check --plan-sizes 1,1000,10000   # the ops' own cost vs plan size
 
 ``--plan-sizes`` times, in one process on a fake group (no exchange), one step's plan
@@ -52,14 +53,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2, choices=(2, 4))
     parser.add_argument("--no-step", action="store_true", help="only the calls, not the MLP step")
     parser.add_argument("--model", default=None, choices=sorted(MODELS),
-                        help="time this bench.step_time model's ddp_fusion_concat step with and "
-                             "without the check, instead of the demo MLP's (the calls are skipped)")
+                        help="time this bench.step_time model's ddp_fusion_concat step in the modes "
+                             "above, instead of the demo MLP's (the calls are skipped)")
     parser.add_argument("--compiled-check", action="store_true",
                         help="with --model: a fourth mode, the check's steady path as a C++ prototype "
                              "(bench/_lib/compiled_check.py: builds with the C++ compiler and ninja)")
     parser.add_argument("--plan-sizes", default=None, metavar="N,N,...",
                         help="only the plan ops' per-step cost for plans of these numbers of gradients")
     args = parser.parse_args(argv)
+    if args.compiled_check and args.model is None:
+        parser.error("--compiled-check needs --model (a model of two ranks)")
     if args.plan_sizes:
         _plan_sizes([int(n) for n in args.plan_sizes.split(",")], args.calls, args.rounds)
         return

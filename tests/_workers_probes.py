@@ -12,7 +12,8 @@ def plan_check_modes(rank: int, world_size: int) -> list[int]:
     """The plan checks in flight right after each step's ``plan_check_start`` (the step
     is the start and the guard of a one-bucket plan on the world group, called through
     the dispatcher as a fused graph calls them), over one round of
-    ``probes._check_or_not``'s modes of two steps each, in the order they ran."""
+    ``probes._check_or_not``'s modes of two steps each, in the order they ran, then one
+    more step after it (the shipped kernels back)."""
     name, cpu = dist.group.WORLD.group_name, torch.device("cpu")
     text = BucketPlan("concat", (PlannedBucket(name, torch.float32, "cpu", "avg", "concat", ("w",),
                                                (1024,)),)).to_json()
@@ -27,4 +28,5 @@ def plan_check_modes(rank: int, world_size: int) -> list[int]:
     step()  # the first: the long way (it makes the host group)
     in_flight.clear()
     probes._check_or_not(step, rounds=1, steps=2)
+    step()
     return in_flight

@@ -4,10 +4,14 @@ shipped Python ops (bench/results/plan_check_price_cpu_2026-11-28.md).
 
 Not the product, and not safe as one: ``plan_check_start`` and ``plan_guard`` get C++
 kernels (through a ``torch::Library`` made and dropped around the timed rounds) that send
-and read the two-rank exchange's frame on the host group's own connection, and compare
-(a mismatch is a bare error, with no description; any other exchange on the connection
-meanwhile would be misread). Only a group of two ranks whose host group is made, no
-join divisors, no hooked buckets; waits bounded at 60 s. Built with
+the two-rank exchange's frame (``host_group.PairChannel``'s: a uint32 count, then the
+int64 values) on the host group's own connection, read exactly the peer's frame, and
+compare (a mismatch is a bare error, with no description). They keep none of the Python
+channel's state: an exchange of the Python side in flight across a switch of kernels, or
+any other exchange on the connection during the block, would be misread (the bench's
+rounds start each step after a barrier, so none is). Only a group of two ranks whose host
+group is made, one guard per group and step (one reduce op and device), no join divisors,
+no hooked buckets; waits bounded at 60 s. Built with
 ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja; about 25 s the
 first time, cached after).
 """
@@ -31,12 +35,14 @@ SOURCE = r'''
 #include <sys/socket.h>
 #include <poll.h>
 #include <errno.h>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <unordered_map>
 
 static std::unordered_map<std::string, std::pair<int, double>> g_chan;
 static std::unique_ptr<torch::Library> g_lib;
+static constexpr size_t kFrame = 4 + 2 * 8;  // (little-endian hosts, as the Python side packs "<")
 
 static std::pair<int, double>& chan(c10::string_view name) {
   auto it = g_chan.find(std::string(name));
@@ -51,9 +57,14 @@ static at::Tensor divisor(double d, c10::string_view reduce_op, c10::Device devi
 at::Tensor start(c10::string_view group_name, c10::string_view plan, int64_t h, c10::Device device,
                  c10::string_view reduce_op) {
   auto& c = chan(group_name);
-  int64_t frame[3] = {2, h, -h};
-  const char* p = reinterpret_cast<const char*>(frame);
-  size_t left = sizeof(frame);
+  // host_group.PairChannel's frame: a uint32 count of int64 values, then the values
+  char frame[kFrame];
+  const uint32_t count = 2;
+  const int64_t values[2] = {h, -h};
+  std::memcpy(frame, &count, 4);
+  std::memcpy(frame + 4, values, 16);
+  const char* p = frame;
+  size_t left = kFrame;
   while (left) {
     ssize_t n = ::send(c.first, p, left, MSG_NOSIGNAL);
     if (n < 0) {
@@ -71,9 +82,9 @@ at::Tensor start(c10::string_view group_name, c10::string_view plan, int64_t h, 
 at::Tensor guard(const at::Tensor& token, c10::string_view group_name, int64_t h, c10::string_view reduce_op,
                  c10::Device device) {
   auto& c = chan(group_name);
-  int64_t frame[3];
-  char* p = reinterpret_cast<char*>(frame);
-  size_t left = sizeof(frame);
+  char frame[kFrame];
+  char* p = frame;
+  size_t left = kFrame;
   while (left) {
     ssize_t n = ::recv(c.first, p, left, 0);
     if (n < 0) {
@@ -86,7 +97,11 @@ at::Tensor guard(const at::Tensor& token, c10::string_view group_name, int64_t h
     TORCH_CHECK(n > 0, "compiled-check prototype: the peer closed the connection");
     p += n; left -= n;
   }
-  TORCH_CHECK(frame[0] == 2 && std::max(h, frame[1]) == h && std::max(-h, frame[2]) == -h,
+  uint32_t count;
+  int64_t theirs[2];
+  std::memcpy(&count, frame, 4);
+  std::memcpy(theirs, frame + 4, 16);
+  TORCH_CHECK(count == 2 && std::max(h, theirs[0]) == h && std::max(-h, theirs[1]) == -h,
               "compiled-check prototype: the ranks run different bucket plans");
   return divisor(c.second, reduce_op, device);
 }

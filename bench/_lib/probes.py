@@ -187,27 +187,20 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int,
 _PLAN_OPS = ("plan_check_start", "plan_guard", "plan_divisor")
 
 
-# the plan ops' kernels as the probes replace them (a library of the probes' own: the
-# dispatcher calls the latest registration)
-_PROBE_LIB = torch.library.Library("ddp_fusion", "FRAGMENT")
-
-
 @contextlib.contextmanager
 def _plan_ops(impls: dict[str, Callable[..., torch.Tensor]]):
-    """The plan ops' CPU kernels replaced by ``impls`` for the block (the shipped ones
-    are registered again after it)."""
-    def register(name: str, fn: Callable[..., torch.Tensor]) -> None:
-        with warnings.catch_warnings():  # (that it overrides a kernel: that is the point)
-            warnings.simplefilter("ignore", UserWarning)
-            _PROBE_LIB.impl(name, fn, "CompositeExplicitAutograd")
-
-    for name, fn in impls.items():
-        register(name, fn)
+    """The plan ops' CPU kernels replaced by ``impls`` for the block: registered on a
+    library of the block's own, which the dispatcher calls before the shipped ones;
+    dropping it at the end drops exactly those registrations."""
+    lib = torch.library.Library("ddp_fusion", "FRAGMENT")
+    with warnings.catch_warnings():  # (that it overrides a kernel: that is the point)
+        warnings.simplefilter("ignore", UserWarning)
+        for name, fn in impls.items():
+            lib.impl(name, fn, "CompositeExplicitAutograd")
     try:
         yield
     finally:
-        for name in impls:
-            register(name, getattr(plan_check, name))
+        del lib  # (its finalizer takes the registrations back)
 
 
 def _plan_ops_skipped():
