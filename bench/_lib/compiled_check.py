@@ -54,6 +54,15 @@ static at::Tensor divisor(double d, c10::string_view reduce_op, c10::Device devi
   return at::full({}, reduce_op == "avg" ? d : 1.0, at::TensorOptions().dtype(at::kFloat).device(device));
 }
 
+// After a send or recv on the non-blocking socket that would block: wait (60 s at most)
+// until it can go on; any other error raises.
+static void wait_ready(int fd, short events, const char* op, const char* timed_out) {
+  TORCH_CHECK(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR,
+              "compiled-check prototype: ", op, " failed, errno ", errno);
+  pollfd pf{fd, events, 0};
+  TORCH_CHECK(::poll(&pf, 1, 60000) > 0, "compiled-check prototype: ", timed_out);
+}
+
 at::Tensor start(c10::string_view group_name, c10::string_view plan, int64_t h, c10::Device device,
                  c10::string_view reduce_op) {
   auto& c = chan(group_name);
@@ -68,10 +77,7 @@ at::Tensor start(c10::string_view group_name, c10::string_view plan, int64_t h, 
   while (left) {
     ssize_t n = ::send(c.first, p, left, MSG_NOSIGNAL);
     if (n < 0) {
-      TORCH_CHECK(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR,
-                  "compiled-check prototype: send failed, errno ", errno);
-      pollfd pf{c.first, POLLOUT, 0};
-      TORCH_CHECK(::poll(&pf, 1, 60000) > 0, "compiled-check prototype: the peer read nothing in 60 s");
+      wait_ready(c.first, POLLOUT, "send", "the peer read nothing in 60 s");
       continue;
     }
     p += n; left -= n;
@@ -88,10 +94,7 @@ at::Tensor guard(const at::Tensor& token, c10::string_view group_name, int64_t h
   while (left) {
     ssize_t n = ::recv(c.first, p, left, 0);
     if (n < 0) {
-      TORCH_CHECK(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR,
-                  "compiled-check prototype: recv failed, errno ", errno);
-      pollfd pf{c.first, POLLIN, 0};
-      TORCH_CHECK(::poll(&pf, 1, 60000) > 0, "compiled-check prototype: the peer sent nothing in 60 s");
+      wait_ready(c.first, POLLIN, "recv", "the peer sent nothing in 60 s");
       continue;
     }
     TORCH_CHECK(n > 0, "compiled-check prototype: the peer closed the connection");
