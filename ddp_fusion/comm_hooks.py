@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _torch
+from . import _native, _torch
 
 
 class GradBucket:
@@ -223,6 +223,16 @@ _hooks: dict[int, Callable[[], CommHook | None]] = {}
 def register(model_id: int, hook: CommHook) -> None:
     """``hook`` reduces model ``model_id``'s buckets (ids of live models differ)."""
     _hooks[model_id] = weakref.ref(hook)
+    native = _native.loaded()
+    if native is not None:  # (no steady C++ plan check while hooks may be in flight: any_registered)
+        native.forget_all()
+
+
+def any_registered() -> bool:
+    """Whether a comm hook was ever registered in this process. Until one is, no hook is
+    ever in flight, so a steady step's plan check may skip :func:`drop_in_flight` (its
+    C++ kernels do: plan_check.py)."""
+    return bool(_hooks)
 
 
 def group_name(model_id: int, plan: str, index: int) -> str:

@@ -93,6 +93,14 @@ class Config:
     the forward, e.g. ``{"mode": "max-autotune"}``. Env:
     ``DDP_FUSION_BACKWARD_COMPILE_KWARGS`` (JSON)."""
 
+    native_check: bool = True
+    """Run a steady step's plan check (and the host group's exchanges of two ranks, or
+    to the exchange relay) in C++, built on first use with a C++ compiler and ninja
+    (``ddp_fusion/_native.py``); where it cannot be built, a warning says why and the
+    Python code runs, with the same messages on the wire (ranks may differ in this).
+    False: always the Python code. Read when a host group is made (the model's
+    construction) and at each steady step. Env: ``DDP_FUSION_NATIVE_CHECK``."""
+
     def __setattr__(self, name: str, value: Any) -> None:
         validate = _VALIDATORS.get(name)
         if validate is None:
@@ -238,6 +246,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "link": _link,
     "dump_dir": _dump_dir,
     "backward_compile_kwargs": _compile_kwargs,
+    "native_check": _bool,
 }
 
 
@@ -300,6 +309,7 @@ ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "link": ("DDP_FUSION_LINK", _env_link),
     "dump_dir": ("DDP_FUSION_DUMP_DIR", lambda var, raw: raw),
     "backward_compile_kwargs": ("DDP_FUSION_BACKWARD_COMPILE_KWARGS", _env_compile_kwargs),
+    "native_check": ("DDP_FUSION_NATIVE_CHECK", _env_bool),
 }
 
 

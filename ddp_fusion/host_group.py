@@ -88,7 +88,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _relay, _torch
+from . import _native, _relay, _torch
+from .config import config
+from .log import log
 
 NEUTRAL = -(1 << 63)
 """What a rank that takes no part in a :meth:`HostGroup.max` sends: int64's minimum."""
@@ -142,6 +144,8 @@ class HostGroup:
         self._lock = threading.Lock()
         self._ended: str | None = None
         connect_s = min(CONNECT_TIMEOUT_S, self.timeout.total_seconds())
+        if self.size > 1:
+            native()  # (built before the ranks connect, whose wait is bounded: 25 s the first time)
         pg = self._make(connect_s)
         # max_async's channel: to the peer (two ranks) or to this rank's relay (more)
         self._channel: PairChannel | None = None
@@ -244,7 +248,7 @@ class HostGroup:
                 f"two ranks' exchanges ({type(e).__name__}: {e})")) from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (a few bytes: now)
         peer = f"group rank {1 - self.rank} of process group {self.group_name!r}"
-        return PairChannel(sock, self.timeout, peer)
+        return channel(sock, self.timeout, peer)
 
     def _relay_channel(self, connect_s: float) -> PairChannel:
         """The channel to this rank's exchange relay (``_relay.py``: a process of its
@@ -295,7 +299,7 @@ class HostGroup:
                 self._relay.kill()
                 self._relay.wait()
             raise
-        return PairChannel(ctrl, self.timeout + datetime.timedelta(seconds=RELAY_GRACE_S),
+        return channel(ctrl, self.timeout + datetime.timedelta(seconds=RELAY_GRACE_S),
                            f"the exchange relay of group rank {self.rank} (process {self._relay.pid})")
 
     def _cannot(self, what: str) -> str:
@@ -307,6 +311,12 @@ class HostGroup:
             "GLOO_SOCKET_IFNAME on every rank to an interface the other nodes reach (the one "
             "NCCL_SOCKET_IFNAME names, say), and check that the nodes reach each other over TCP"
         )
+
+    @property
+    def channel(self) -> PairChannel | None:
+        """The connection of :meth:`max_async` (to the peer of a group of two, or to this
+        rank's exchange relay); None for a group of one."""
+        return self._channel
 
     @property
     def ended(self) -> bool:
@@ -340,6 +350,8 @@ class HostGroup:
     def ticket(self) -> int:
         """Number the next exchange asked for (the same number on every rank, which ask
         for the same exchanges in the same order): names its :meth:`report`."""
+        if self._channel is not None:  # (which the C++ plan check numbers with too)
+            return self._channel.ticket()
         self._tickets += 1
         return self._tickets
 
@@ -480,6 +492,12 @@ class PairChannel:
         self._buf = bytearray()  # received, not yet a whole message
         self._early: dict[int, tuple[int, ...]] = {}  # the peer's values read before their turn
         self._failed: str | None = None  # why the other end failed (a relay's ERROR frame)
+        self._tickets = 0
+
+    def ticket(self) -> int:
+        """The host group's next ticket (:meth:`HostGroup.ticket`)."""
+        self._tickets += 1
+        return self._tickets
 
     def post(self, mine: Sequence[int]) -> PairMax:
         """Send this rank's ``mine`` (int64 values) and return the exchange, to collect
@@ -571,6 +589,107 @@ class PairChannel:
     def close(self) -> None:
         self._sock.close()
 
+    close_in_child = close
+
+
+class NativePairChannel(PairChannel):
+    """:class:`PairChannel` on the C++ channel of ``ddp_fusion/csrc/host_check.cpp``
+    (``_native.py``): the same frames, numbering and waits, in C++ with the GIL
+    released; the plan ops' C++ kernels post and collect the plan check's exchanges of a
+    steady step on it directly (plan_check.py), numbered with the Python ones. The
+    channel owns the socket (its file descriptor) from here on."""
+
+    def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> None:
+        _channels.add(self)
+        sock.setblocking(False)
+        self._peer, self._timeout = peer, timeout
+        self._failed = None
+        self.core = _native.load().Channel(sock.detach(), timeout.total_seconds())
+
+    def ticket(self) -> int:
+        return self.core.ticket()
+
+    def post(self, mine: Sequence[int]) -> PairMax:
+        mine = [int(v) for v in mine]
+        status, seq, err = self.core.post(mine, self._timeout.total_seconds())
+        if status != OK:
+            if self.core.arrived(-1)[0] == ERROR_FRAME:  # a relay that failed said why before it ended
+                raise self.error(ERROR_FRAME, 0)
+            e = self.error(status, err, writing=True)
+            raise ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
+                                  f"or the connection broke ({type(e).__name__}: {e})") from e
+        return PairMax(self, seq, mine)
+
+    def take(self, seq: int, deadline: float) -> tuple[int, ...]:
+        status, values, err = self.core.take(seq, max(0.0, deadline - time.monotonic()))
+        if status != OK:
+            raise self.error(status, err)
+        return tuple(values)
+
+    def arrived(self, seq: int) -> bool:
+        status, here, err = self.core.arrived(seq)
+        if status != OK:
+            raise self.error(status, err)
+        return here
+
+    def error(self, status: int, err: int, writing: bool = False) -> OSError:
+        """The error a channel operation that ended with ``status`` (``err``: its errno)
+        raises, as :class:`PairChannel` words it."""
+        if status == TIMED_OUT:
+            what = "read nothing" if writing else "sent nothing"
+            return TimeoutError(f"{self._peer} {what} in time (it died, or is stuck before this exchange)")
+        if status == ERROR_FRAME:
+            if self._failed is None:
+                text = _relay.take_error(bytearray(self.core.error_bytes()))
+                self._failed = f"{self._peer} failed: {text}"
+            return ConnectionError(self._failed)
+        if status == CLOSED_HERE:
+            return ConnectionError(f"the connection to {self._peer} was closed here: its host group has ended")
+        if status == PEER_CLOSED:
+            return ConnectionError(f"{self._peer} closed the connection (its process ended)")
+        e = OSError(err, os.strerror(err))
+        return ConnectionError(f"{self._peer} closed the connection (its process ended: {type(e).__name__}: {e})")
+
+    def close(self) -> None:
+        self.core.close()
+
+    def close_in_child(self) -> None:
+        self.core.close_in_child()
+
+
+# A C++ channel operation's outcome (csrc/host_check.cpp's ``Status``)
+OK, TIMED_OUT, PEER_CLOSED, OS_ERROR, ERROR_FRAME, CLOSED_HERE = range(6)
+
+
+def channel(sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> PairChannel:
+    """A :class:`NativePairChannel` where the C++ extension is on (``config.native_check``)
+    and built, else a :class:`PairChannel`: the same frames on the wire."""
+    return NativePairChannel(sock, timeout, peer) if native() is not None else PairChannel(sock, timeout, peer)
+
+
+def native() -> Any | None:
+    """The C++ extension (``_native.py``) where ``config.native_check`` is on and it
+    builds; where it does not build, logged once (a warning: the plan check then runs
+    in Python, which costs more per step)."""
+    if not config.native_check:
+        return None
+    module = _native.load()
+    if module is None and not _native_failure_logged:
+        _native_failure_logged.append(True)
+        log.warning(
+            "ddp_fusion: the C++ part of the per-step plan check could not be built, so it runs in "
+            "Python (a few percent of a small model's step; set ddp_fusion.config.native_check = False "
+            "or DDP_FUSION_NATIVE_CHECK=0 to not try): %s", _native.failure())
+    return module
+
+
+_native_failure_logged: list[bool] = []
+
+
+def native_loaded() -> Any | None:
+    """The C++ extension if this process has built or loaded it (never builds it)."""
+    return _native.loaded()
+
 
 #: A :class:`PairChannel` message's header: the number of int64 values that follow.
 _FRAME = _relay.FRAME
@@ -584,7 +703,7 @@ def _close_channels_in_child() -> None:
     so that a peer or relay still sees this process's end close when the host group
     ends or the process does (the child cannot use them anyway)."""
     for channel in list(_channels):
-        channel.close()
+        channel.close_in_child()
 
 
 os.register_at_fork(after_in_child=_close_channels_in_child)
@@ -593,8 +712,10 @@ os.register_at_fork(after_in_child=_close_channels_in_child)
 class PairMax:
     """An exchange posted on a :class:`PairChannel`; :meth:`result` collects it."""
 
-    def __init__(self, channel: PairChannel, seq: int, mine: list[int]) -> None:
+    def __init__(self, channel: PairChannel, seq: int, mine: list[int],
+                 taken: Callable[[], tuple[int, ...]] | None = None) -> None:
         self._channel, self._seq, self._mine = channel, seq, mine
+        self._taken = taken  # (the peer's values, or their error, as the C++ kernel took them)
 
     def done(self) -> bool:
         """Whether :meth:`result` would not wait for the peer."""
@@ -603,8 +724,11 @@ class PairMax:
     def result(self, timeout: float | None = None) -> list[int]:
         """The element-wise max, waited for (up to ``timeout`` seconds, else the group's
         timeout); raises if the peer does not answer in time or has gone."""
-        limit = self._channel._timeout.total_seconds() if timeout is None else timeout
-        theirs = self._channel.take(self._seq, time.monotonic() + limit)
+        if self._taken is not None:
+            theirs = self._taken()
+        else:
+            limit = self._channel._timeout.total_seconds() if timeout is None else timeout
+            theirs = self._channel.take(self._seq, time.monotonic() + limit)
         if len(theirs) != len(self._mine):
             raise HostGroupError(
                 f"ddp_fusion: the two ranks of a host group asked for different exchanges "

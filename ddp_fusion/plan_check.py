@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import _torch, comm_hooks, dump, host_group, scaling
-from .config import config
+from .config import config, on_change
 from .host_group import NEUTRAL, has_peers
 from .log import log
 from .ops import CUDAGRAPH_UNSAFE
@@ -70,7 +70,8 @@ _pending: dict[tuple[str, int], tuple[host_group.HostGroup, int, host_group.Exch
 def pending() -> int:
     """Plan checks started whose guard has not collected them: none between steps (see
     ``ddp_fusion.pending``)."""
-    return len(_pending)
+    native = host_group.native_loaded()
+    return len(_pending) + (0 if native is None else native.pending())
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -159,10 +160,66 @@ def plan_guard(
     pending = _pending.pop(key, None)  # None: checked by this group's other guard
     if pending is not None:
         host, ticket, exchange = pending
-        top, neg_bottom = outcome(exchange, group_name)
-        if not (top == plan_hash and -neg_bottom == plan_hash):
-            raise PlanMismatchError(describe_mismatch(host, ticket, group_name, plan_hash, _texts[plan_hash]))
+        _check(host, ticket, exchange, group_name, plan_hash)
+        _mark_steady(group, host, plan_hash)
     return _divisor_tensor(group, reduce_op, device)
+
+
+def _check(host: host_group.HostGroup, ticket: int, exchange: host_group.Exchange, group_name: str,
+           plan_hash: int) -> None:
+    """Raise unless the exchange shows every rank running the plan ``plan_hash``."""
+    top, neg_bottom = outcome(exchange, group_name)
+    if not (top == plan_hash and -neg_bottom == plan_hash):
+        raise PlanMismatchError(describe_mismatch(host, ticket, group_name, plan_hash, _texts[plan_hash]))
+
+
+def _mark_steady(group: dist.ProcessGroup, host: host_group.HostGroup, plan_hash: int) -> None:
+    """After a plan's check passed in Python: from the next step, the C++ kernels
+    (csrc/host_check.cpp) run its check, where they can. Not for a plan with hooked
+    buckets, nor while any comm hook exists (a steady step skips ``drop_in_flight``),
+    nor while a join context sets the divisor, nor without the C++ channel."""
+    channel = host.channel
+    divisor = scaling.divisor(group)
+    if not (isinstance(channel, host_group.NativePairChannel) and config.native_check
+            and not _hook_groups.get(plan_hash) and not comm_hooks.any_registered()
+            and isinstance(divisor, int)):
+        return
+    native = host_group.native()
+    if native is None:
+        return
+    if not native.kernels_registered():
+        native.register_kernels(plan_check_start, plan_guard, _steady_failed)
+    native.mark_steady(group.group_name, channel.core, plan_hash, float(divisor))
+
+
+def _steady_failed(token: torch.Tensor, group_name: str, plan_hash: int, reduce_op: str, device: torch.device,
+                   seq: int, ticket: int, status: int, theirs: list[int], err: int) -> torch.Tensor:
+    """The C++ guard's check of exchange ``seq`` did not pass (``status``: the channel's
+    outcome, ``theirs``: the peer's values): the error the Python guard raises for it."""
+    group, host = host_group.known(group_name) or (_known_group(group_name), None)
+    if host is None:
+        raise RuntimeError(f"ddp_fusion: the per-step plan check of process group {group_name!r} failed: "
+                           "its host group has ended (the process group was destroyed or replaced)")
+    channel = host.channel
+
+    def taken() -> tuple[int, ...]:
+        if status != host_group.OK:
+            raise channel.error(status, err)
+        return tuple(theirs)
+
+    _check(host, ticket, host_group.PairMax(channel, seq, [plan_hash, -plan_hash], taken), group_name, plan_hash)
+    return _divisor_tensor(group, reduce_op, device)  # (a check that passed after all: not reached)
+
+
+def _native_check_changed(name: str, value: object) -> None:
+    """``config.native_check`` turned off: the Python kernels again, at the next step."""
+    native = host_group.native_loaded()
+    if name == "native_check" and not value and native is not None:
+        native.forget_all()
+        native.unregister_kernels()
+
+
+on_change(_native_check_changed)
 
 
 def plan_divisor(group_name: str, reduce_op: str, device: torch.device) -> torch.Tensor:

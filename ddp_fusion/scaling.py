@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import _native
+
 # group name -> divisor of the group's "avg" buckets, while a join context sets it
 _divisors: dict[str, int | torch.Tensor] = {}
 
@@ -26,6 +28,9 @@ def set_divisor(group: dist.ProcessGroup, value: int | torch.Tensor | None) -> N
     """Set (None: clear) the divisor of ``group``'s ``avg`` buckets. One per group: two
     models on one group inside join contexts with different
     ``divide_by_initial_world_size`` would share it (not supported)."""
+    native = _native.loaded()
+    if native is not None:  # (its steady plan checks hold the divisor: the Python ops mark them again)
+        native.forget(group.group_name)
     if value is None:
         _divisors.pop(group.group_name, None)
     else:
