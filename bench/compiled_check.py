@@ -1,9 +1,9 @@
-"""What a compiled steady path of the per-step plan check would change against DDPOptimizer:
-a bench model's step (2 gloo ranks) under DDPOptimizer, under ddp_fusion concat as it
-ships, and under ddp_fusion concat with the check's steady path as C++ kernels (the
-prototype of bench/_lib/compiled_check.py: not the product), timed round-robin on kept
-ranks (the two ddp_fusion modes on the same compiled model), and each pair's per-round
-ratio of the slower rank's median step.
+"""The plan check's C++ steady path against DDPOptimizer: a bench model's step (2 gloo
+ranks) under DDPOptimizer, under ddp_fusion concat as it ships (a steady step's plan
+check in the C++ kernels, csrc/host_check.cpp), and under ddp_fusion concat with the
+check in Python (``config.native_check`` off), timed round-robin on kept ranks (the two
+ddp_fusion modes on the same compiled model), and each pair's per-round ratio of the
+slower rank's median step.
 
     python -m bench.compiled_check --model hf_gpt2 --rounds 30 --steps 20
 """
@@ -14,7 +14,7 @@ import argparse
 import itertools
 import statistics
 
-from bench._lib import compiled_check, step
+from bench._lib import probes, step
 from bench._lib.jobs import Job
 from bench._lib.models import MODELS
 
@@ -26,12 +26,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round and mode")
     args = parser.parse_args(argv)
-    compiled_check.build()  # (once, before the ranks load it)
     peer, fused = Job(args.model, "ddp_optimizer", None), Job(args.model, "ddp_fusion_concat", None)
     if peer.world_size != 2:
-        parser.error(f"{args.model} runs on {peer.world_size} ranks; the prototype pairs two")
-    modes = {"ddp_optimizer": (peer, step.time_steps), "ddp_fusion, Python check": (fused, step.time_steps),
-             "ddp_fusion, C++ check (prototype)": (fused, compiled_check.time_steps)}
+        parser.error(f"{args.model} runs on {peer.world_size} ranks; this compares two")
+    modes = {"ddp_optimizer": (peer, step.time_steps),
+             "ddp_fusion, Python check": (fused, probes.time_steps_python_check),
+             "ddp_fusion, C++ check (shipped)": (fused, step.time_steps)}
     medians: dict[str, list[float]] = {m: [] for m in modes}
     names = list(modes)
     try:

@@ -13,17 +13,20 @@ collected: what of it needed this process's GIL waits past the 2 ms. With
 ``--world-size 4`` the exchange takes two rounds instead of one, in the relays, and the
 MLP step runs on 4 ranks too (on 2 cores the four ranks share them: an upper bound).
 
+A steady step's check runs in the plan ops' C++ kernels (csrc/host_check.cpp) where the
+C++ part is built (``config.native_check``); the pair of calls is timed as it ships.
+
 Then, in the same run, the step time of a fused, compiled MLP (the demo's: 8 x
-Linear(512, 512), batch 64) with the check, with its work skipped (the plan ops entered
-but returning only their divisor: no exchange), and with each plan op's main-thread CPU
-timed, in turn per round on the same compiled model, so the check's share of a step
-shows; and, with the check, whether each step's exchange had finished by the time the
-guard collected it (the main thread running backward meanwhile), and how long the guard
-blocked on it. The rank functions are in bench/_lib/probes.py.
+Linear(512, 512), batch 64) with the check as it ships (C++), with the check in Python
+(``native_check`` off), with its work skipped (the Python plan ops entered but
+returning only their divisor: no exchange), and with each Python plan op's main-thread
+CPU timed, in turn per round on the same compiled model, so the check's share of a step
+shows; and, with the Python check, whether each step's exchange had finished by the time
+the guard collected it (the main thread running backward meanwhile), and how long the
+guard blocked on it. The rank functions are in bench/_lib/probes.py.
 
     python -m bench.plan_check [--calls 2000] [--rounds 5] [--steps 20] [--world-size 2]
-    python -m bench.plan_check --model hf_gpt2 --rounds 10 --steps 50   # a bench model's step
-    python -m bench.plan_check --model hf_gpt2 --rounds 30 --steps 50 --compiled-check   # + the C++ prototype
+    python -m bench.plan_check --model hf_gpt2 --rounds 30 --steps 50   # a bench model's step
     python -m bench.plan_check --plan-sizes 1,1000,10000   # the ops' own cost vs plan size
 
 ``--plan-sizes`` times, in one process on a fake group (no exchange), one step's plan
@@ -55,14 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, choices=sorted(MODELS),
                         help="time this bench.step_time model's ddp_fusion_concat step in the modes "
                              "above, instead of the demo MLP's (the calls are skipped)")
-    parser.add_argument("--compiled-check", action="store_true",
-                        help="with --model: a fourth mode, the check's steady path as a C++ prototype "
-                             "(bench/_lib/compiled_check.py: builds with the C++ compiler and ninja)")
     parser.add_argument("--plan-sizes", default=None, metavar="N,N,...",
                         help="only the plan ops' per-step cost for plans of these numbers of gradients")
     args = parser.parse_args(argv)
-    if args.compiled_check and args.model is None:
-        parser.error("--compiled-check needs --model (a model of two ranks)")
     if args.plan_sizes:
         _plan_sizes([int(n) for n in args.plan_sizes.split(",")], args.calls, args.rounds)
         return
@@ -123,11 +121,7 @@ def _model_step(args: argparse.Namespace) -> None:
     try:
         job.start()
         job.run(step.warmup, 5)
-        if args.compiled_check:
-            from bench._lib import compiled_check
-
-            compiled_check.build()  # (once, before the ranks load it)
-        steps = job.run(probes.plan_check_job_step, args.rounds, args.steps, args.compiled_check)
+        steps = job.run(probes.plan_check_job_step, args.rounds, args.steps)
     finally:
         job.stop()
     _print_steps(f"{args.model}, ddp_fusion_concat", args, steps)
@@ -141,7 +135,7 @@ def _print_steps(what: str, args: argparse.Namespace, steps: list[dict[str, list
         per_round = [worst(r[mode][i] for r in steps) for i in range(args.rounds)]
         print(f"{mode:<46}{statistics.median(per_round):>11.2f}{max(per_round):>9.2f}")
     slower = {m: [max(r[m][i] for r in steps) for i in range(args.rounds)]
-              for m in ("with check", "check's work skipped", "C++ check (prototype)") if m in steps[0]}
+              for m in ("C++ check", "Python check", "check's work skipped") if m in steps[0]}
     for a, b in itertools.combinations(slower, 2):
         ratios = [x / y for x, y in zip(slower[a], slower[b])]
         print(f"{a} / {b}, per round: median {statistics.median(ratios):.3f} "

@@ -355,6 +355,13 @@ class HostGroup:
         self._tickets += 1
         return self._tickets
 
+    @property
+    def tickets(self) -> int:
+        """The tickets taken so far (:meth:`ticket`)."""
+        if self._channel is not None:
+            return self._channel.tickets
+        return self._tickets
+
     def _submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(gloo group)`` on the group's thread."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -499,6 +506,11 @@ class PairChannel:
         self._tickets += 1
         return self._tickets
 
+    @property
+    def tickets(self) -> int:
+        """The tickets taken so far."""
+        return self._tickets
+
     def post(self, mine: Sequence[int]) -> PairMax:
         """Send this rank's ``mine`` (int64 values) and return the exchange, to collect
         later. (Packed with ``struct``, not through a numpy array: about 6 µs less a
@@ -586,6 +598,10 @@ class PairChannel:
             what = "read nothing" if writing else "sent nothing"
             raise TimeoutError(f"{self._peer} {what} in time (it died, or is stuck before this exchange)")
 
+    def fileno(self) -> int:
+        """The socket's file descriptor (-1 once closed)."""
+        return self._sock.fileno()
+
     def close(self) -> None:
         self._sock.close()
 
@@ -608,6 +624,10 @@ class NativePairChannel(PairChannel):
 
     def ticket(self) -> int:
         return self.core.ticket()
+
+    @property
+    def tickets(self) -> int:
+        return self.core.tickets()
 
     def post(self, mine: Sequence[int]) -> PairMax:
         mine = [int(v) for v in mine]
@@ -644,11 +664,16 @@ class NativePairChannel(PairChannel):
                 self._failed = f"{self._peer} failed: {text}"
             return ConnectionError(self._failed)
         if status == CLOSED_HERE:
-            return ConnectionError(f"the connection to {self._peer} was closed here: its host group has ended")
+            return ConnectionError(f"the connection to {self._peer} was closed here: "
+                                   "its host group has ended")
         if status == PEER_CLOSED:
             return ConnectionError(f"{self._peer} closed the connection (its process ended)")
         e = OSError(err, os.strerror(err))
-        return ConnectionError(f"{self._peer} closed the connection (its process ended: {type(e).__name__}: {e})")
+        return ConnectionError(f"{self._peer} closed the connection "
+                               f"(its process ended: {type(e).__name__}: {e})")
+
+    def fileno(self) -> int:
+        return self.core.fileno()
 
     def close(self) -> None:
         self.core.close()
@@ -664,7 +689,8 @@ OK, TIMED_OUT, PEER_CLOSED, OS_ERROR, ERROR_FRAME, CLOSED_HERE = range(6)
 def channel(sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> PairChannel:
     """A :class:`NativePairChannel` where the C++ extension is on (``config.native_check``)
     and built, else a :class:`PairChannel`: the same frames on the wire."""
-    return NativePairChannel(sock, timeout, peer) if native() is not None else PairChannel(sock, timeout, peer)
+    kind = NativePairChannel if native() is not None else PairChannel
+    return kind(sock, timeout, peer)
 
 
 def native() -> Any | None:

@@ -207,7 +207,8 @@ def _steady_failed(token: torch.Tensor, group_name: str, plan_hash: int, reduce_
             raise channel.error(status, err)
         return tuple(theirs)
 
-    _check(host, ticket, host_group.PairMax(channel, seq, [plan_hash, -plan_hash], taken), group_name, plan_hash)
+    exchange = host_group.PairMax(channel, seq, [plan_hash, -plan_hash], taken)
+    _check(host, ticket, exchange, group_name, plan_hash)
     return _divisor_tensor(group, reduce_op, device)  # (a check that passed after all: not reached)
 
 

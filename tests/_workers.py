@@ -103,22 +103,27 @@ def mismatched_plans(rank, world_size):
     return None
 
 
-def plans_diverge_at_step_3(rank, world_size):
+def plans_diverge_at_step_3(rank, world_size, native=(True, True)):
     """Both ranks use ``b`` for two steps; at the third, rank 1 stops using it (its
-    backward recompiles with fewer gradients). Returns (step, error) on each rank: every
-    rank must raise PlanMismatchError at that step, not hang in mismatched collectives."""
-    from ddp_fusion import PlanMismatchError
+    backward recompiles with fewer gradients). Returns (step, error, the C++ plan ops'
+    steady checks (starts, guards) before that step) on each rank: every rank must raise
+    PlanMismatchError at that step, not hang in mismatched collectives. ``native``:
+    each rank's ``config.native_check``."""
+    from ddp_fusion import PlanMismatchError, host_group
 
-    with ddp_fusion.config.patch(enabled=True):
+    with ddp_fusion.config.patch(enabled=True, native_check=native[rank]):
         net = TwoBranch()
         model = torch.compile(ddp_fusion.DistributedDataParallel(net))
+        steady = (0, 0)
         for step in range(4):
             net.use_b = not (rank == 1 and step >= 2)
             try:
                 model(torch.randn(4, 8)).sum().backward()
             except PlanMismatchError as e:
-                return step, str(e)
-    return None, None
+                return step, str(e), steady
+            cpp = host_group.native_loaded()
+            steady = cpp.counts() if cpp is not None else (0, 0)
+    return None, None, steady
 
 
 def different_models(rank, world_size):

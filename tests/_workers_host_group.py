@@ -51,7 +51,7 @@ def _tickets() -> int:
     gives a steady step; 0 without one). Holds no reference to it after it returns: the
     round counts what is left once its group is gone."""
     known = host_group.known(dist.group.WORLD.group_name)
-    return 0 if known is None else known[1]._tickets
+    return 0 if known is None else known[1].tickets
 
 
 def _round(rank, world_size, store, flag, compiled, steps=3):

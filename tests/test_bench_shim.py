@@ -24,9 +24,6 @@ FILES = sorted(p for p in [*BENCH.glob("*.py"), *BENCH.glob("_lib/*.py")] if p !
 # private attributes of objects that bench reads outside the shim, and why
 ALLOWED_ATTRIBUTES = {
     "_buffer": "ddp_fusion's eager reducer bucket, read without allocating it (profiling.held_bytes)",
-    "_channel": "a host group's two-rank connection, whose socket the C++ prototype of the plan check's "
-                "steady path sends and reads on (compiled_check.py: a measurement, not the product)",
-    "_sock": "the same connection's socket (compiled_check.py)",
 }
 
 

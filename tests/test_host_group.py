@@ -64,15 +64,39 @@ def test_peers_are_those_of_the_exchange(size):
     assert all(len(peers[r]) == (p.bit_length() - 1) + (r + p < size) for r in range(p))
 
 
+@pytest.fixture(params=["python", "native"])
+def kind(request):
+    """Which channel: :class:`host_group.PairChannel` or its C++ twin,
+    :class:`host_group.NativePairChannel` (the same frames and errors)."""
+    if request.param == "native" and host_group.native() is None:
+        pytest.fail(f"the C++ extension did not build: {__import__('ddp_fusion._native')._native.failure()}")
+    return {"python": host_group.PairChannel, "native": host_group.NativePairChannel}[request.param]
+
+
 @pytest.fixture
-def pair():
-    """The two ends of a :class:`host_group.PairChannel` (one process, a socket pair)."""
+def pair(kind):
+    """The two ends of a channel (one process, a socket pair)."""
     a, b = __import__("socket").socketpair()
     timeout = datetime.timedelta(seconds=5)
-    ends = host_group.PairChannel(a, timeout), host_group.PairChannel(b, timeout)
+    ends = kind(a, timeout), kind(b, timeout)
     yield ends
     for end in ends:
         end.close()
+
+
+def test_python_and_native_channels_talk_to_each_other():
+    """The same frames on the wire: a rank whose C++ part did not build works with one
+    whose did."""
+    a, b = __import__("socket").socketpair()
+    timeout = datetime.timedelta(seconds=5)
+    mine, theirs = host_group.PairChannel(a, timeout), host_group.NativePairChannel(b, timeout)
+    try:
+        exchanges = [mine.post([3, -3]), theirs.post([5, -5]), theirs.post([1, 2, 3]), mine.post([0, 7, 0])]
+        assert [e.result() for e in exchanges] == [[5, -3], [5, -3], [1, 7, 3], [1, 7, 3]]
+        assert [mine.ticket(), mine.ticket(), theirs.ticket()] == [1, 2, 1]
+    finally:
+        mine.close()
+        theirs.close()
 
 
 def test_pair_exchanges_are_matched_in_posting_order_whatever_order_they_are_collected(pair):
@@ -116,17 +140,22 @@ def test_a_pair_exchange_whose_peer_has_gone_raises_at_once_and_one_never_answer
         mine.post(np.array([0]))
 
 
-def test_a_pair_message_that_arrives_in_pieces_is_collected_whole_after_a_timeout(pair):
+def test_a_pair_message_that_arrives_in_pieces_is_collected_whole_after_a_timeout(kind):
     import numpy as np
 
-    mine, theirs = pair
-    exchange = mine.post(np.array([4, -4]))
-    frame = host_group._FRAME.pack(2) + np.array([6, -6], dtype="<i8").tobytes()
-    theirs._sock.send(frame[:7])  # (the header and part of the first value)
-    with pytest.raises(TimeoutError, match="sent nothing in time"):
-        exchange.result(timeout=0.1)
-    theirs._sock.send(frame[7:])
-    assert exchange.result() == [6, -4]
+    a, theirs = __import__("socket").socketpair()
+    mine = kind(a, datetime.timedelta(seconds=5))
+    try:
+        exchange = mine.post(np.array([4, -4]))
+        frame = host_group._FRAME.pack(2) + np.array([6, -6], dtype="<i8").tobytes()
+        theirs.send(frame[:7])  # (the header and part of the first value)
+        with pytest.raises(TimeoutError, match="sent nothing in time"):
+            exchange.result(timeout=0.1)
+        theirs.send(frame[7:])
+        assert exchange.result() == [6, -4]
+    finally:
+        mine.close()
+        theirs.close()
 
 
 def test_a_pair_exchange_collected_after_its_host_group_ended_says_so(pair):
@@ -139,7 +168,7 @@ def test_a_pair_exchange_collected_after_its_host_group_ended_says_so(pair):
         exchange.result()
 
 
-def _relays(size, timeout_s=5.0):
+def _relays(size, timeout_s=5.0, kind=None):
     """The channels to ``size`` connected exchange relays (one process, as the ranks of
     a group of ``size`` would make them), and the relays' processes."""
     import time
@@ -153,14 +182,14 @@ def _relays(size, timeout_s=5.0):
     for _, ctrl, _ in started:
         assert __import__("ddp_fusion._relay")._relay.read_text(ctrl, deadline) == "ok"
     grace = datetime.timedelta(seconds=timeout_s + host_group.RELAY_GRACE_S)
-    channels = [host_group.PairChannel(ctrl, grace, f"relay {r}")
+    channels = [(kind or host_group.channel)(ctrl, grace, f"relay {r}")
                 for r, (_, ctrl, _) in enumerate(started)]
     return channels, [proc for proc, _, _ in started]
 
 
 @pytest.fixture
-def relays5():
-    channels, procs = _relays(5)
+def relays5(kind):
+    channels, procs = _relays(5, kind=kind)
     yield channels, procs
     _ended(channels, procs)
 
@@ -214,12 +243,12 @@ def _ended(channels, procs):
         proc.wait()
 
 
-def test_a_relay_exchange_fails_in_time_when_a_peer_never_comes():
+def test_a_relay_exchange_fails_in_time_when_a_peer_never_comes(kind):
     import time
 
     import numpy as np
 
-    channels, procs = _relays(3, timeout_s=0.5)
+    channels, procs = _relays(3, timeout_s=0.5, kind=kind)
     try:
         start = time.monotonic()
         exchange = channels[0].post(np.array([1, -1]))  # (ranks 1 and 2 never post)
@@ -231,14 +260,14 @@ def test_a_relay_exchange_fails_in_time_when_a_peer_never_comes():
         _ended(channels, procs)
 
 
-def test_a_relay_exchange_fails_at_once_on_every_rank_when_a_peer_has_ended():
+def test_a_relay_exchange_fails_at_once_on_every_rank_when_a_peer_has_ended(kind):
     """Rank 2's relay ends (its rank closed the channel): the others' exchange fails at
     once, not after the 60 s timeout, with the same reason on both."""
     import time
 
     import numpy as np
 
-    channels, procs = _relays(3, timeout_s=60)
+    channels, procs = _relays(3, timeout_s=60, kind=kind)
     try:
         channels[2].close()
         assert procs[2].wait(timeout=5) == 0
@@ -253,12 +282,12 @@ def test_a_relay_exchange_fails_at_once_on_every_rank_when_a_peer_has_ended():
         _ended(channels, procs)
 
 
-def test_relays_exchange_more_than_their_sockets_hold():
+def test_relays_exchange_more_than_their_sockets_hold(kind):
     """A million values (8 MB) each way: both peers of a round send at once, so each
     must read while it writes."""
     import numpy as np
 
-    channels, procs = _relays(4, timeout_s=60)
+    channels, procs = _relays(4, timeout_s=60, kind=kind)
     try:
         n = 1_000_000
         exchanges = [c.post(np.full(n, r, dtype=np.int64)) for r, c in enumerate(channels)]
@@ -267,7 +296,7 @@ def test_relays_exchange_more_than_their_sockets_hold():
         _ended(channels, procs)
 
 
-def test_relays_work_with_descriptors_past_1024():
+def test_relays_work_with_descriptors_past_1024(kind):
     """A busy training process has more than 1024 files open: ``select`` cannot wait
     on such descriptors (the relay gets the rank's descriptor number)."""
     import resource
@@ -282,9 +311,9 @@ def test_relays_work_with_descriptors_past_1024():
     try:
         while not held or held[-1].fileno() < 1100:
             held.append(open("/dev/null"))  # noqa: SIM115 - held open on purpose
-        channels, procs = _relays(3)
+        channels, procs = _relays(3, kind=kind)
         try:
-            assert channels[0]._sock.fileno() > 1024
+            assert channels[0].fileno() > 1024
             exchanges = [c.post(np.array([r])) for r, c in enumerate(channels)]
             assert [e.result() for e in exchanges] == [[2]] * 3
         finally:
@@ -295,14 +324,14 @@ def test_relays_work_with_descriptors_past_1024():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_relays_end_with_their_channels_while_a_forked_child_lives():
+def test_relays_end_with_their_channels_while_a_forked_child_lives(kind):
     """A forked child (a DataLoader worker) closes its copies of the channels: the
     relays see the rank's end close when the rank closes it, not when the child exits."""
     import os
     import time
     import warnings
 
-    channels, procs = _relays(3)
+    channels, procs = _relays(3, kind=kind)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # (fork with threads: the child only sleeps)

@@ -17,14 +17,20 @@ def test_rank_dependent_backward_raises_plan_mismatch_on_every_rank():
         assert "group rank 1 has no gradient for: b.bias, b.weight" in err
 
 
-def test_plans_that_diverge_at_a_later_step_raise_on_every_rank():
+@pytest.mark.parametrize("native", [(True, True), (False, False), (True, False)],
+                         ids=["cpp", "python", "mixed"])
+def test_plans_that_diverge_at_a_later_step_raise_on_every_rank(native):
     """Ranks agree for two steps, then one recompiles: the per-step plan check makes
-    every rank raise at that step, well within the process-group timeout."""
-    results = run_ranks(plans_diverge_at_step_3, world_size=2, timeout=300, pg_timeout=60)
-    for step, err in results:
+    every rank raise at that step, well within the process-group timeout. The second
+    step's check ran in C++ where ``native_check`` is on (``cpp``: the C++ guard finds
+    the mismatch at the third step and the Python code describes it), in Python where it
+    is off, and either way on each rank (``mixed``: the same frames on the wire)."""
+    results = run_ranks(plans_diverge_at_step_3, world_size=2, args=(native,), timeout=300, pg_timeout=60)
+    for rank, (step, err, steady) in enumerate(results):
         assert step == 2, (step, err)
         assert "different gradient bucket plans" in err
         assert "group rank 1 has no gradient for: b.bias, b.weight" in err
+        assert steady == ((1, 1) if native[rank] else (0, 0)), (rank, steady)
 
 
 def test_different_models_fail_at_construction_on_every_rank():

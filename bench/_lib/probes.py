@@ -102,40 +102,43 @@ def plan_check_step(rank: int, world_size: int, rounds: int, steps: int) -> dict
         return _check_or_not(step, rounds, steps)
 
 
-def plan_check_job_step(rank: int, world_size: int, rounds: int, steps: int,
-                        compiled_check: bool = False) -> dict[str, list[float]]:
+def plan_check_job_step(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
     """:func:`plan_check_step` on the step of the rank's bench job (a ``bench.step_time``
-    model and mode, already warmed up: bench/_lib/step.py); ``compiled_check``: a fourth
-    mode, the check's steady path as C++ kernels (bench/_lib/compiled_check.py)."""
+    model and mode, already warmed up: bench/_lib/step.py)."""
     from bench._lib import step
 
-    extra = {}
-    if compiled_check:
-        from bench._lib import compiled_check as cc
-
-        extra["C++ check (prototype)"] = lambda: cc.steady_check(dist.group.WORLD)
-    return _check_or_not(step.current_step(), rounds, steps, extra)
+    return _check_or_not(step.current_step(), rounds, steps)
 
 
-def _check_or_not(step: Callable[[], None], rounds: int, steps: int,
-                  extra: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
-                  ) -> dict[str, list[float]]:
-    """Median ms per round of ``step`` (compiled, fused) in three modes, in turn per round
-    on the same compiled model:
+def time_steps_python_check(rank: int, world_size: int, n: int) -> dict[str, object]:
+    """bench/_lib/step.py's ``time_steps`` on the rank's job, with the plan check in
+    Python (``config.native_check`` off: its first step marks the plans steady again
+    after it)."""
+    from bench._lib import step
 
-    * ``with check``: as it ships;
-    * ``check's work skipped``: the plan ops still entered, but each only returns its
-      divisor (no exchange, no bookkeeping; :func:`_plan_ops_skipped`): the difference
-      is what the check's own work costs a step;
-    * ``with check, ops timed``: each plan op's main-thread CPU (``time.thread_time``
+    with ddp_fusion.config.patch(native_check=False):
+        return step.time_steps(rank, world_size, n)
+
+
+def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str, list[float]]:
+    """Median ms per round of ``step`` (compiled, fused) in these modes, in turn per
+    round on the same compiled model:
+
+    * ``C++ check``: as it ships (``config.native_check``: a steady step's check runs in
+      the C++ kernels; the first step of each round's block runs the Python ops, which
+      mark the plan steady again); only where the C++ part is built;
+    * ``Python check``: the Python ops on every step (``native_check`` off);
+    * ``check's work skipped``: the plan ops still entered (Python), but each only
+      returns its divisor (no exchange, no bookkeeping; :func:`_plan_ops_skipped`): the
+      difference to ``Python check`` is what the Python check's own work costs a step;
+    * ``Python check, ops timed``: each plan op's main-thread CPU (``time.thread_time``
       around its body), per step: the ops' whole price on this rank's host, entry and
-      the cold caches they meet included, but not the dispatcher's part of the call;
-    * and each of ``extra``'s, in the block its context manager makes.
+      the cold caches they meet included, but not the dispatcher's part of the call.
 
-    With the check, also per round: the share of steps whose exchange had finished when
-    the guard came to collect it (the main thread busy in backward meanwhile), and the
-    median and mean time the guard spent collecting it (us: a mean far above the median
-    is the steps whose guard waited for a late peer)."""
+    With the Python check, also per round: the share of steps whose exchange had
+    finished when the guard came to collect it (the main thread busy in backward
+    meanwhile), and the median and mean time the guard spent collecting it (us: a mean
+    far above the median is the steps whose guard waited for a late peer)."""
     collected: list[tuple[bool, float]] = []
     outcome = plan_check.outcome
     op_cpu: dict[str, float] = {}
@@ -146,22 +149,29 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int,
         collected.append((done, (time.perf_counter() - t0) * 1e6))
         return result
 
-    extra = extra or {}
-    modes = ("with check", "check's work skipped", "with check, ops timed", *extra)
+    def python(patch: contextlib.AbstractContextManager) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(ddp_fusion.config.patch(native_check=False))
+        stack.enter_context(patch)
+        return stack
+
+    native = ddp_fusion.config.native_check and host_group.native() is not None
+    modes = (*(("C++ check",) if native else ()), "Python check", "check's work skipped",
+             "Python check, ops timed")
     out: dict[str, list[float]] = {m: [] for m in modes}
     out |= {"plan ops' CPU per step, median us": [], "exchange done at the guard, %": [],
             "guard collecting, median us": [], "guard collecting, mean us": []}
     op_steps: list[float] = []
     for i in range(rounds):
         for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
-            if mode in extra:
-                patch = extra[mode]()
-            elif mode == "with check":
-                patch = unittest.mock.patch.object(plan_check, "outcome", timed_outcome)
+            if mode == "C++ check":
+                patch = contextlib.nullcontext()
+            elif mode == "Python check":
+                patch = python(unittest.mock.patch.object(plan_check, "outcome", timed_outcome))
             elif mode == "check's work skipped":
                 patch = _plan_ops_skipped()
             else:
-                patch = _plan_ops_timed(op_cpu)
+                patch = python(_plan_ops_timed(op_cpu))
             collected.clear()
             op_steps.clear()
             with patch:
@@ -174,12 +184,12 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int,
                     times.append((time.perf_counter() - t0) * 1e3)
                     op_steps.append(sum(op_cpu.values()))
             out[mode].append(statistics.median(times))
-            if mode == "with check":
+            if mode == "Python check":
                 done = sum(d for d, _ in collected)
                 out["exchange done at the guard, %"].append(100 * done / len(collected))
                 out["guard collecting, median us"].append(statistics.median(w for _, w in collected))
                 out["guard collecting, mean us"].append(statistics.fmean(w for _, w in collected))
-            elif mode == "with check, ops timed":
+            elif mode == "Python check, ops timed":
                 out["plan ops' CPU per step, median us"].append(statistics.median(op_steps) * 1e6)
     return out
 

@@ -80,8 +80,10 @@ class Channel {
   Channel(int fd, double timeout_s) : fd_(fd), timeout_s_(timeout_s) {}
 
   double timeout_s() const { return timeout_s_; }
+  int fileno() const { return closed_ ? -1 : fd_; }
   bool closed() const { return closed_.load(); }
   int64_t ticket() { return ++tickets_; }
+  int64_t tickets() const { return tickets_.load(); }
 
   // Send one frame of ``values``; ``seq`` is its number (taken even if sending fails).
   int post(const int64_t* values, uint32_t n, double timeout_s, int64_t& seq, int& err) {
@@ -341,6 +343,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Channel, std::shared_ptr<Channel>>(m, "Channel")
       .def(py::init<int, double>(), py::arg("fd"), py::arg("timeout_s"))
       .def("ticket", &Channel::ticket)
+      .def("tickets", &Channel::tickets)
       .def("post",
            [](Channel& c, const std::vector<int64_t>& values, double timeout_s) {
              int64_t seq = 0;
@@ -381,6 +384,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c.close();
            })
       .def("close_in_child", &Channel::close_in_child)
+      .def("fileno", &Channel::fileno)
       .def_property_readonly("closed", &Channel::closed);
 
   m.def("register_kernels", [](py::object start, py::object guard, py::object failed) {
