@@ -616,11 +616,12 @@ class NativePairChannel(PairChannel):
     channel owns the socket (its file descriptor) from here on."""
 
     def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> None:
-        _channels.add(self)
         sock.setblocking(False)
         self._peer, self._timeout = peer, timeout
         self._failed = None
-        self.core = _native.load().Channel(sock.detach(), timeout.total_seconds())
+        self.core = _native.load().Channel(sock.fileno(), timeout.total_seconds())
+        sock.detach()  # (the C++ channel closes it)
+        _channels.add(self)
 
     def ticket(self) -> int:
         return self.core.ticket()
@@ -633,12 +634,17 @@ class NativePairChannel(PairChannel):
         mine = [int(v) for v in mine]
         status, seq, err = self.core.post(mine, self._timeout.total_seconds())
         if status != OK:
-            if self.core.arrived(-1)[0] == ERROR_FRAME:  # a relay that failed said why before it ended
-                raise self.error(ERROR_FRAME, 0)
-            e = self.error(status, err, writing=True)
-            raise ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
-                                  f"or the connection broke ({type(e).__name__}: {e})") from e
+            raise self.post_error(status, err)
         return PairMax(self, seq, mine)
+
+    def post_error(self, status: int, err: int) -> ConnectionError:
+        """The error of a post that ended with ``status`` (``err``: its errno), as
+        :meth:`PairChannel.post` words it."""
+        if self.core.arrived(-1)[0] == ERROR_FRAME:  # a relay that failed said why before it ended
+            return self.error(ERROR_FRAME, 0)
+        e = OSError(err, os.strerror(err)) if status == OS_ERROR else self.error(status, err, writing=True)
+        return ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
+                               f"or the connection broke ({type(e).__name__}: {e})")
 
     def take(self, seq: int, deadline: float) -> tuple[int, ...]:
         status, values, err = self.core.take(seq, max(0.0, deadline - time.monotonic()))

@@ -157,12 +157,28 @@ def plan_guard(
     if key not in _reported:
         _reported.add(key)
         _report_plan(group_name, _texts[plan_hash])  # (the start, which this guard follows, put it there)
-    pending = _pending.pop(key, None)  # None: checked by this group's other guard
-    if pending is not None:
+    pending = _pending.pop(key, None) or _cpp_pending(group_name, plan_hash)
+    if pending is not None:  # (None: checked by this group's other guard)
         host, ticket, exchange = pending
         _check(host, ticket, exchange, group_name, plan_hash)
-        _mark_steady(group, host, plan_hash)
+        _mark_steady(group_name, group, host, plan_hash)
     return _divisor_tensor(group, reduce_op, device)
+
+
+def _cpp_pending(group_name: str, plan_hash: int
+                 ) -> tuple[host_group.HostGroup, int, host_group.Exchange] | None:
+    """A check the C++ start began whose guard runs here (the C++ kernels were taken
+    back in between: ``native_check`` turned off): as ``_pending`` holds one."""
+    native = host_group.native_loaded()
+    taken = None if native is None else native.take_pending(group_name, plan_hash)
+    if taken is None:
+        return None
+    core, seq, ticket = taken
+    host = _steady_hosts[group_name]
+    if host.channel is None or getattr(host.channel, "core", None) is not core:
+        raise RuntimeError(f"ddp_fusion: the host group of process group {group_name!r} was replaced "
+                           "between this step's plan check and its guard")
+    return host, ticket, host_group.PairMax(host.channel, seq, [plan_hash, -plan_hash])
 
 
 def _check(host: host_group.HostGroup, ticket: int, exchange: host_group.Exchange, group_name: str,
@@ -173,7 +189,12 @@ def _check(host: host_group.HostGroup, ticket: int, exchange: host_group.Exchang
         raise PlanMismatchError(describe_mismatch(host, ticket, group_name, plan_hash, _texts[plan_hash]))
 
 
-def _mark_steady(group: dist.ProcessGroup, host: host_group.HostGroup, plan_hash: int) -> None:
+# group name -> the host group whose C++ channel its steady checks use (for their errors)
+_steady_hosts: dict[str, host_group.HostGroup] = {}
+
+
+def _mark_steady(group_name: str, group: dist.ProcessGroup, host: host_group.HostGroup,
+                 plan_hash: int) -> None:
     """After a plan's check passed in Python: from the next step, the C++ kernels
     (csrc/host_check.cpp) run its check, where they can. Not for a plan with hooked
     buckets, nor while any comm hook exists (a steady step skips ``drop_in_flight``),
@@ -188,18 +209,22 @@ def _mark_steady(group: dist.ProcessGroup, host: host_group.HostGroup, plan_hash
     if native is None:
         return
     if not native.kernels_registered():
-        native.register_kernels(plan_check_start, plan_guard, _steady_failed)
-    native.mark_steady(group.group_name, channel.core, plan_hash, float(divisor))
+        native.register_kernels(plan_check_start, plan_guard, _steady_start_failed, _steady_failed)
+    _steady_hosts[group_name] = host
+    native.mark_steady(group_name, channel.core, plan_hash, float(divisor))
+
+
+def _steady_start_failed(group_name: str, status: int, err: int) -> None:
+    """The C++ start could not post its exchange (``status``, ``err``: the channel's
+    outcome and errno): the error the Python start raises for it."""
+    raise _steady_hosts[group_name].channel.post_error(status, err)
 
 
 def _steady_failed(token: torch.Tensor, group_name: str, plan_hash: int, reduce_op: str, device: torch.device,
                    seq: int, ticket: int, status: int, theirs: list[int], err: int) -> torch.Tensor:
     """The C++ guard's check of exchange ``seq`` did not pass (``status``: the channel's
     outcome, ``theirs``: the peer's values): the error the Python guard raises for it."""
-    group, host = host_group.known(group_name) or (_known_group(group_name), None)
-    if host is None:
-        raise RuntimeError(f"ddp_fusion: the per-step plan check of process group {group_name!r} failed: "
-                           "its host group has ended (the process group was destroyed or replaced)")
+    host = _steady_hosts[group_name]
     channel = host.channel
 
     def taken() -> tuple[int, ...]:
@@ -209,7 +234,7 @@ def _steady_failed(token: torch.Tensor, group_name: str, plan_hash: int, reduce_
 
     exchange = host_group.PairMax(channel, seq, [plan_hash, -plan_hash], taken)
     _check(host, ticket, exchange, group_name, plan_hash)
-    return _divisor_tensor(group, reduce_op, device)  # (a check that passed after all: not reached)
+    return _divisor_tensor(_known_group(group_name), reduce_op, device)  # (passed after all: not reached)
 
 
 def _native_check_changed(name: str, value: object) -> None:

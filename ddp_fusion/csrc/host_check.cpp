@@ -107,8 +107,9 @@ class Channel {
         return kOsError;
       }
       if (deadline < 0) deadline = now() + timeout_s;  // the peer has not read for a long time
-      int st = wait(POLLOUT, deadline);
+      int st = wait(POLLOUT, deadline, err);
       if (st != kOk) return st;
+      if (closed_) return kClosedHere;
     }
     return kOk;
   }
@@ -127,7 +128,7 @@ class Channel {
       int st = receive(err);
       if (st == kOk) continue;
       if (st != kWouldBlock) return st;
-      st = wait(POLLIN, deadline);
+      st = wait(POLLIN, deadline, err);
       if (st != kOk) return st;
     }
   }
@@ -208,7 +209,7 @@ class Channel {
     return buf_.size() >= 8 + size_t(n);
   }
 
-  int wait(short events, double deadline) {
+  int wait(short events, double deadline, int& err) {
     while (true) {
       if (closed_) return kClosedHere;
       const double left = deadline - now();
@@ -216,7 +217,10 @@ class Channel {
       pollfd pf{fd_, events, 0};
       int r = ::poll(&pf, 1, int(std::min(left * 1000.0 + 1.0, 2.0e9)));
       if (r > 0) return kOk;  // (ready, or closed or failed: the next call says which)
-      if (r < 0 && errno != EINTR) return kOk;
+      if (r < 0 && errno != EINTR) {
+        err = errno;
+        return kOsError;
+      }
     }
   }
 
@@ -234,11 +238,21 @@ class Channel {
 
 // -- the plan ops' steady path -----------------------------------------------------
 
+// A check started by the C++ start, for its guard: the exchange's channel and number,
+// its ticket, and the divisor the start returned.
+struct Pending {
+  std::shared_ptr<Channel> channel;
+  int64_t seq = 0, ticket = 0;
+  double divisor = 1;
+};
+
 struct Steady {
   std::shared_ptr<Channel> channel;
   double divisor = 1;  // of an "avg" bucket
   std::unordered_set<int64_t> plans;  // hashes of the plans marked steady
-  std::unordered_map<int64_t, std::pair<int64_t, int64_t>> pending;  // plan -> (exchange, ticket)
+  // plan -> this step's check, started in C++: the guard collects it (the Python guard
+  // too, should it run instead: take_pending); a start that goes to Python drops it
+  std::unordered_map<int64_t, Pending> pending;
 };
 
 // Never destroyed (no static destructor runs after Python has finalized).
@@ -250,8 +264,9 @@ std::unordered_map<std::string, Steady>& registry() {
   static auto* r = new std::unordered_map<std::string, Steady>();
   return *r;
 }
-py::object* g_py_start = nullptr;  // plan_check.py's ops, and its steady guard's failure path
+py::object* g_py_start = nullptr;  // plan_check.py's ops, and the failure paths of this one
 py::object* g_py_guard = nullptr;
+py::object* g_py_start_failed = nullptr;
 py::object* g_py_failed = nullptr;
 torch::Library* g_lib = nullptr;
 std::atomic<int64_t> g_starts{0}, g_guards{0};
@@ -268,56 +283,57 @@ at::Tensor plan_check_start(c10::string_view group_name, c10::string_view plan, 
   {
     std::lock_guard<std::mutex> lock(registry_mu());
     auto it = registry().find(name);
-    if (it != registry().end() && it->second.plans.count(h) && !it->second.channel->closed()) {
-      channel = it->second.channel;
-      d = it->second.divisor;
-    }
-  }
-  if (channel) {
-    const int64_t values[2] = {h, -h};
-    int64_t seq = 0;
-    int err = 0;
-    int64_t ticket = channel->ticket();
-    int st;
-    {
-      NoGil no_gil;
-      st = channel->post(values, 2, channel->timeout_s(), seq, err);
-    }
-    if (st == kOk) {
-      std::lock_guard<std::mutex> lock(registry_mu());
-      auto it = registry().find(name);
-      if (it != registry().end()) {
-        it->second.pending[h] = {seq, ticket};
-        ++g_starts;
-        return divisor_tensor(d, reduce_op, device);
-      }
-    }
-    // (failed: the Python op posts again, on the same broken connection, and says why)
-  }
-  py::gil_scoped_acquire gil;
-  return (*g_py_start)(name, std::string(plan), h, device, std::string(reduce_op)).cast<at::Tensor>();
-}
-
-at::Tensor plan_guard(const at::Tensor& token, c10::string_view group_name, int64_t h, c10::string_view reduce_op,
-                      c10::Device device) {
-  const std::string name(group_name);
-  std::shared_ptr<Channel> channel;
-  double d = 1;
-  int64_t seq = 0, ticket = 0;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu());
-    auto it = registry().find(name);
     if (it != registry().end()) {
-      auto p = it->second.pending.find(h);
-      if (p != it->second.pending.end()) {
-        std::tie(seq, ticket) = p->second;
-        it->second.pending.erase(p);
+      // (a check left by a step whose backward failed before its guard: never collected)
+      it->second.pending.erase(h);
+      if (it->second.plans.count(h) && !it->second.channel->closed()) {
         channel = it->second.channel;
         d = it->second.divisor;
       }
     }
   }
-  if (!channel) {  // not this path's start: the Python op
+  if (!channel) {
+    py::gil_scoped_acquire gil;
+    return (*g_py_start)(name, std::string(plan), h, device, std::string(reduce_op)).cast<at::Tensor>();
+  }
+  const int64_t values[2] = {h, -h};
+  int64_t seq = 0;
+  int err = 0;
+  const int64_t ticket = channel->ticket();
+  int st;
+  {
+    NoGil no_gil;
+    st = channel->post(values, 2, channel->timeout_s(), seq, err);
+  }
+  if (st != kOk) {  // the Python side says why (it posts nothing: this exchange took its number)
+    py::gil_scoped_acquire gil;
+    (*g_py_start_failed)(name, st, err);
+    TORCH_CHECK(false, "ddp_fusion: the plan check's exchange could not be posted (status ", st, ")");
+  }
+  {
+    std::lock_guard<std::mutex> lock(registry_mu());
+    registry()[name].pending[h] = Pending{channel, seq, ticket, d};
+  }
+  ++g_starts;
+  return divisor_tensor(d, reduce_op, device);
+}
+
+at::Tensor plan_guard(const at::Tensor& token, c10::string_view group_name, int64_t h, c10::string_view reduce_op,
+                      c10::Device device) {
+  const std::string name(group_name);
+  Pending p;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu());
+    auto it = registry().find(name);
+    if (it != registry().end()) {
+      auto found = it->second.pending.find(h);
+      if (found != it->second.pending.end()) {
+        p = std::move(found->second);
+        it->second.pending.erase(found);
+      }
+    }
+  }
+  if (!p.channel) {  // not this path's start (or checked by the group's other guard): the Python op
     py::gil_scoped_acquire gil;
     return (*g_py_guard)(token, name, h, std::string(reduce_op), device).cast<at::Tensor>();
   }
@@ -326,14 +342,14 @@ at::Tensor plan_guard(const at::Tensor& token, c10::string_view group_name, int6
   int st;
   {
     NoGil no_gil;
-    st = channel->take(seq, channel->timeout_s(), theirs, err);
+    st = p.channel->take(p.seq, p.channel->timeout_s(), theirs, err);
   }
   if (st == kOk && theirs.size() == 2 && std::max(h, theirs[0]) == h && std::max(-h, theirs[1]) == -h) {
     ++g_guards;
-    return divisor_tensor(d, reduce_op, device);
+    return divisor_tensor(p.divisor, reduce_op, device);
   }
   py::gil_scoped_acquire gil;
-  return (*g_py_failed)(token, name, h, std::string(reduce_op), device, seq, ticket, st, theirs, err)
+  return (*g_py_failed)(token, name, h, std::string(reduce_op), device, p.seq, p.ticket, st, theirs, err)
       .cast<at::Tensor>();
 }
 
@@ -377,7 +393,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              }
              return std::make_tuple(st, here, err);
            })
-      .def("error_bytes", [](Channel& c) { return py::bytes(c.error_bytes()); })
+      .def("error_bytes",
+           [](Channel& c) {
+             std::string bytes;
+             {
+               NoGil no_gil;
+               bytes = c.error_bytes();
+             }
+             return py::bytes(bytes);
+           })
       .def("close",
            [](Channel& c) {
              NoGil no_gil;
@@ -387,10 +411,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fileno", &Channel::fileno)
       .def_property_readonly("closed", &Channel::closed);
 
-  m.def("register_kernels", [](py::object start, py::object guard, py::object failed) {
+  m.def("register_kernels", [](py::object start, py::object guard, py::object start_failed, py::object failed) {
     if (g_lib != nullptr) return;
     g_py_start = new py::object(std::move(start));  // (never freed: see registry())
     g_py_guard = new py::object(std::move(guard));
+    g_py_start_failed = new py::object(std::move(start_failed));
     g_py_failed = new py::object(std::move(failed));
     // (the dispatcher warns that these override the Python kernels: that is the point)
     struct Quiet : c10::WarningHandler {
@@ -411,8 +436,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           double divisor) {
     std::lock_guard<std::mutex> lock(registry_mu());
     auto& s = registry()[group_name];
-    if (s.channel != channel) {
-      s = Steady();
+    if (s.channel != channel) {  // (a new host group of the name: the old one's plans go)
+      s.plans.clear();
       s.channel = std::move(channel);
     }
     s.divisor = divisor;
@@ -428,6 +453,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forget_all", []() {
     std::lock_guard<std::mutex> lock(registry_mu());
     for (auto& kv : registry()) kv.second.plans.clear();
+  });
+  // The check of plan ``h`` the C++ start began and no guard has collected, taken:
+  // (channel, exchange number, ticket), or None.
+  m.def("take_pending", [](const std::string& group_name, int64_t h) -> py::object {
+    std::lock_guard<std::mutex> lock(registry_mu());
+    auto it = registry().find(group_name);
+    if (it == registry().end()) return py::none();
+    auto found = it->second.pending.find(h);
+    if (found == it->second.pending.end()) return py::none();
+    Pending p = std::move(found->second);
+    it->second.pending.erase(found);
+    return py::make_tuple(p.channel, p.seq, p.ticket);
   });
   m.def("pending", []() {
     std::lock_guard<std::mutex> lock(registry_mu());

@@ -1,0 +1,112 @@
+"""The plan ops' C++ kernels (ddp_fusion/csrc/host_check.cpp) in one process: a plan
+marked steady on one end of a socket pair, the other end played by the test. What they
+do on a steady step, and that every other case goes to the Python code: a mismatch, a
+post that fails, a start that runs in Python after a C++ one whose guard never ran, a
+guard that runs in Python after a C++ start."""
+
+import datetime
+import socket
+
+import pytest
+import torch
+
+from ddp_fusion import PlanMismatchError, host_group, plan_check
+
+GROUP = "test_native"
+H = 0x1234_5678_9ABC
+CPU = torch.device("cpu")
+
+
+class _Host:
+    """What the Python side uses of a steady plan's host group: its channel, and a
+    mismatch's description (the store's, in a real group)."""
+
+    def __init__(self, channel):
+        self.channel = channel
+
+    def report(self, topic, ticket, mine, describe):
+        return f"mismatch described, ticket {ticket}"
+
+    def ranks(self, ranks):
+        return str(ranks)
+
+
+@pytest.fixture
+def steady(monkeypatch):
+    """(the C++ module, this rank's channel, the peer's end), the plan ``H`` of group
+    ``GROUP`` marked steady on this rank's channel (divisor 2)."""
+    native = host_group.native()
+    if native is None:
+        pytest.fail(f"the C++ extension did not build: {__import__('ddp_fusion._native')._native.failure()}")
+    a, b = socket.socketpair()
+    timeout = datetime.timedelta(seconds=5)
+    mine, peer = host_group.NativePairChannel(a, timeout), host_group.PairChannel(b, timeout)
+    native.register_kernels(plan_check.plan_check_start, plan_check.plan_guard,
+                            plan_check._steady_start_failed, plan_check._steady_failed)
+    monkeypatch.setitem(plan_check._steady_hosts, GROUP, _Host(mine))
+    monkeypatch.setitem(plan_check._texts, H, "{}")
+    native.mark_steady(GROUP, mine.core, H, 2.0)
+    yield native, mine, peer
+    native.forget(GROUP)
+    while native.take_pending(GROUP, H) is not None:
+        pass
+    mine.close()
+    peer.close()
+
+
+def _start():
+    return plan_check.PLAN_CHECK_START(GROUP, "{}", H, CPU, "avg")
+
+
+def _guard(token):
+    return plan_check.PLAN_GUARD(token, GROUP, H, "avg", CPU)
+
+
+def test_a_steady_step_runs_in_cpp_and_a_mismatch_raises_the_python_error(steady):
+    native, mine, peer = steady
+    starts, guards = native.counts()
+    token = _start()
+    assert token.item() == 2.0 and native.pending() == 1
+    assert peer.post([H, -H]).result() == [H, -H]  # (the peer's side of the exchange)
+    assert _guard(token).item() == 2.0
+    assert native.counts() == (starts + 1, guards + 1) and native.pending() == 0
+
+    token = _start()
+    peer.post([H + 1, -H])
+    with pytest.raises(PlanMismatchError, match="mismatch described, ticket 2"):
+        _guard(token)
+    assert native.counts() == (starts + 2, guards + 1)
+
+
+def test_a_start_that_goes_to_python_drops_a_cpp_check_whose_guard_never_ran(steady):
+    """A backward failed between its C++ start and its guard; the next step's start runs
+    in Python (the plan no longer steady): its guard must collect that step's exchange,
+    not the one left behind."""
+    native, mine, peer = steady
+    _start()
+    assert native.pending() == 1
+    native.forget(GROUP)
+    with pytest.raises(RuntimeError, match="not registered"):  # (the Python start: no such group here)
+        _start()
+    assert native.pending() == 0
+
+
+def test_a_guard_that_runs_in_python_collects_the_cpp_start_s_check(steady, monkeypatch):
+    native, mine, peer = steady
+    token = _start()
+    monkeypatch.setattr(plan_check, "_known_group", lambda name: None)
+    monkeypatch.setattr(plan_check, "_divisor_tensor", lambda group, op, device: torch.tensor(2.0))
+    monkeypatch.setattr(plan_check, "_mark_steady", lambda *args: None)
+    monkeypatch.setattr(plan_check, "_reported", {(GROUP, H)})
+    peer.post([H + 1, -H])
+    with pytest.raises(PlanMismatchError, match="mismatch described"):
+        plan_check.plan_guard(token, GROUP, H, "avg", CPU)  # (the Python op, as with native_check off)
+    assert native.pending() == 0
+
+
+def test_a_start_whose_post_fails_raises_the_python_error_and_posts_nothing_more(steady):
+    native, mine, peer = steady
+    peer.close()
+    with pytest.raises(ConnectionError, match=r"could not send to the peer: .*\(BrokenPipeError: "):
+        _start()
+    assert native.pending() == 0
