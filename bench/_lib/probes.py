@@ -161,6 +161,9 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str
     out: dict[str, list[float]] = {m: [] for m in modes}
     out |= {"plan ops' CPU per step, median us": [], "exchange done at the guard, %": [],
             "guard collecting, median us": [], "guard collecting, mean us": []}
+    if native:  # (the C++ kernels time themselves: wall time inside them, per steady step)
+        out |= {"C++ start, mean us": [], "C++ guard less its wait, mean us": [],
+                "C++ guard's wait for the peer, mean us": []}
     op_steps: list[float] = []
     for i in range(rounds):
         for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
@@ -174,6 +177,7 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str
                 patch = python(_plan_ops_timed(op_cpu))
             collected.clear()
             op_steps.clear()
+            before = _cpp_times() if native else None
             with patch:
                 times = []
                 for _ in range(steps):
@@ -191,7 +195,19 @@ def _check_or_not(step: Callable[[], None], rounds: int, steps: int) -> dict[str
                 out["guard collecting, mean us"].append(statistics.fmean(w for _, w in collected))
             elif mode == "Python check, ops timed":
                 out["plan ops' CPU per step, median us"].append(statistics.median(op_steps) * 1e6)
+            elif mode == "C++ check":
+                starts, guards, start_ns, guard_ns, wait_ns = (b - a for a, b in zip(before, _cpp_times()))
+                out["C++ start, mean us"].append(start_ns / max(starts, 1) / 1e3)
+                out["C++ guard less its wait, mean us"].append((guard_ns - wait_ns) / max(guards, 1) / 1e3)
+                out["C++ guard's wait for the peer, mean us"].append(wait_ns / max(guards, 1) / 1e3)
     return out
+
+
+def _cpp_times() -> tuple[int, ...]:
+    """The C++ kernels' steady starts and guards so far, and their nanoseconds: in the
+    starts, in the guards, in the guards' waits for the peer."""
+    native = host_group.native_loaded()
+    return (*native.counts(), *native.times_ns())
 
 
 _PLAN_OPS = ("plan_check_start", "plan_guard", "plan_divisor")

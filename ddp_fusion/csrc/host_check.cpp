@@ -58,6 +58,11 @@ enum Status : int {
   kWouldBlock = 6,  // (internal) nothing to read now
 };
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -81,6 +86,7 @@ class Channel {
 
   double timeout_s() const { return timeout_s_; }
   int fileno() const { return closed_ ? -1 : fd_; }
+  int64_t waited_ns() const { return waited_ns_.load(); }
   bool closed() const { return closed_.load(); }
   int64_t ticket() { return ++tickets_; }
   int64_t tickets() const { return tickets_.load(); }
@@ -215,7 +221,9 @@ class Channel {
       const double left = deadline - now();
       if (left <= 0) return kTimedOut;
       pollfd pf{fd_, events, 0};
+      const int64_t t0 = now_ns();
       int r = ::poll(&pf, 1, int(std::min(left * 1000.0 + 1.0, 2.0e9)));
+      waited_ns_ += now_ns() - t0;
       if (r > 0) return kOk;  // (ready, or closed or failed: the next call says which)
       if (r < 0 && errno != EINTR) {
         err = errno;
@@ -228,6 +236,7 @@ class Channel {
   const double timeout_s_;
   std::atomic<bool> closed_{false};
   std::atomic<int64_t> tickets_{0};
+  std::atomic<int64_t> waited_ns_{0};  // in poll, all told
   std::mutex send_mu_, recv_mu_;
   int64_t posted_ = 0;  // send_mu_
   int64_t read_ = 0;    // recv_mu_, as the rest below
@@ -270,6 +279,8 @@ py::object* g_py_start_failed = nullptr;
 py::object* g_py_failed = nullptr;
 torch::Library* g_lib = nullptr;
 std::atomic<int64_t> g_starts{0}, g_guards{0};
+// nanoseconds in the steady kernels (bench.plan_check): starts, guards, guards' waits for the peer
+std::atomic<int64_t> g_start_ns{0}, g_guard_ns{0}, g_guard_wait_ns{0};
 
 at::Tensor divisor_tensor(double d, c10::string_view reduce_op, c10::Device device) {
   return at::full({}, reduce_op == "avg" ? d : 1.0, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -277,6 +288,7 @@ at::Tensor divisor_tensor(double d, c10::string_view reduce_op, c10::Device devi
 
 at::Tensor plan_check_start(c10::string_view group_name, c10::string_view plan, int64_t h, c10::Device device,
                             c10::string_view reduce_op) {
+  const int64_t t0 = now_ns();
   const std::string name(group_name);
   std::shared_ptr<Channel> channel;
   double d = 1;
@@ -314,12 +326,15 @@ at::Tensor plan_check_start(c10::string_view group_name, c10::string_view plan, 
     std::lock_guard<std::mutex> lock(registry_mu());
     registry()[name].pending[h] = Pending{channel, seq, ticket, d};
   }
+  at::Tensor out = divisor_tensor(d, reduce_op, device);
   ++g_starts;
-  return divisor_tensor(d, reduce_op, device);
+  g_start_ns += now_ns() - t0;
+  return out;
 }
 
 at::Tensor plan_guard(const at::Tensor& token, c10::string_view group_name, int64_t h, c10::string_view reduce_op,
                       c10::Device device) {
+  const int64_t t0 = now_ns();
   const std::string name(group_name);
   Pending p;
   {
@@ -340,13 +355,17 @@ at::Tensor plan_guard(const at::Tensor& token, c10::string_view group_name, int6
   std::vector<int64_t> theirs;
   int err = 0;
   int st;
+  const int64_t waited = p.channel->waited_ns();
   {
     NoGil no_gil;
     st = p.channel->take(p.seq, p.channel->timeout_s(), theirs, err);
   }
   if (st == kOk && theirs.size() == 2 && std::max(h, theirs[0]) == h && std::max(-h, theirs[1]) == -h) {
+    at::Tensor out = divisor_tensor(p.divisor, reduce_op, device);
     ++g_guards;
-    return divisor_tensor(p.divisor, reduce_op, device);
+    g_guard_wait_ns += p.channel->waited_ns() - waited;
+    g_guard_ns += now_ns() - t0;
+    return out;
   }
   py::gil_scoped_acquire gil;
   return (*g_py_failed)(token, name, h, std::string(reduce_op), device, p.seq, p.ticket, st, theirs, err)
@@ -473,4 +492,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return n;
   });
   m.def("counts", []() { return std::make_tuple(g_starts.load(), g_guards.load()); });
+  m.def("times_ns", []() { return std::make_tuple(g_start_ns.load(), g_guard_ns.load(), g_guard_wait_ns.load()); });
 }
