@@ -10,7 +10,8 @@
 //   counts the host group's tickets. It is the only reader and writer of its socket:
 //   the Python exchanges (host_group.NativePairChannel) and the kernels below share it,
 //   so an exchange is numbered alike on either path. Every wait is a poll, bounded by
-//   the caller's timeout, with the GIL released.
+//   the caller's timeout, with the GIL released (only then: a send or recv that does
+//   not block keeps it, so a steady step's host thread never queues for it again).
 //
 // * Kernels of ddp_fusion::plan_check_start and ddp_fusion::plan_guard for a steady
 //   step: a (group, plan hash) that the Python ops have run and checked once, and then
@@ -80,6 +81,19 @@ struct NoGil {
   NoGil& operator=(const NoGil&) = delete;
 };
 
+// ``mu`` locked; where another thread holds it, waited for without the GIL (that thread
+// may need the GIL to finish). No Channel code takes the GIL while it holds a lock of its
+// own except on leaving a wait, and nothing waits for a lock with the GIL held, so the
+// two never deadlock.
+std::unique_lock<std::mutex> lock_without_gil(std::mutex& mu) {
+  std::unique_lock<std::mutex> lock(mu, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    NoGil no_gil;
+    lock.lock();
+  }
+  return lock;
+}
+
 class Channel {
  public:
   Channel(int fd, double timeout_s) : fd_(fd), timeout_s_(timeout_s) {}
@@ -96,7 +110,7 @@ class Channel {
     std::string frame(4 + 8 * size_t(n), '\0');
     std::memcpy(&frame[0], &n, 4);
     if (n) std::memcpy(&frame[4], values, 8 * size_t(n));
-    std::lock_guard<std::mutex> lock(send_mu_);
+    auto lock = lock_without_gil(send_mu_);
     seq = posted_++;
     if (closed_) return kClosedHere;
     size_t at = 0;
@@ -122,7 +136,7 @@ class Channel {
 
   // The peer's values of exchange ``seq``, waited for up to ``timeout_s``.
   int take(int64_t seq, double timeout_s, std::vector<int64_t>& out, int& err) {
-    std::lock_guard<std::mutex> lock(recv_mu_);
+    auto lock = lock_without_gil(recv_mu_);
     const double deadline = now() + timeout_s;
     while (true) {
       auto it = early_.find(seq);
@@ -142,7 +156,7 @@ class Channel {
   // Whether exchange ``seq``'s values are here (reads what has arrived, never waits):
   // kOk and ``here``, or why reading failed.
   int arrived(int64_t seq, bool& here, int& err) {
-    std::lock_guard<std::mutex> lock(recv_mu_);
+    auto lock = lock_without_gil(recv_mu_);
     int st = receive(err);
     here = early_.count(seq) > 0;
     return (st == kOk || st == kWouldBlock || here) ? kOk : st;
@@ -150,7 +164,7 @@ class Channel {
 
   // A relay's error frame, whole (after kErrorFrame), for the Python side to read.
   std::string error_bytes() {
-    std::lock_guard<std::mutex> lock(recv_mu_);
+    auto lock = lock_without_gil(recv_mu_);
     return buf_;
   }
 
@@ -158,8 +172,8 @@ class Channel {
   void close() {
     if (closed_.exchange(true)) return;
     ::shutdown(fd_, SHUT_RDWR);
-    std::lock_guard<std::mutex> s(send_mu_);
-    std::lock_guard<std::mutex> r(recv_mu_);
+    auto s = lock_without_gil(send_mu_);
+    auto r = lock_without_gil(recv_mu_);
     ::close(fd_);
   }
 
@@ -222,7 +236,11 @@ class Channel {
       if (left <= 0) return kTimedOut;
       pollfd pf{fd_, events, 0};
       const int64_t t0 = now_ns();
-      int r = ::poll(&pf, 1, int(std::min(left * 1000.0 + 1.0, 2.0e9)));
+      int r;
+      {
+        NoGil no_gil;  // (only while it waits: a send or recv that does not block keeps it)
+        r = ::poll(&pf, 1, int(std::min(left * 1000.0 + 1.0, 2.0e9)));
+      }
       waited_ns_ += now_ns() - t0;
       if (r > 0) return kOk;  // (ready, or closed or failed: the next call says which)
       if (r < 0 && errno != EINTR) {
@@ -312,11 +330,7 @@ at::Tensor plan_check_start(c10::string_view group_name, c10::string_view plan, 
   int64_t seq = 0;
   int err = 0;
   const int64_t ticket = channel->ticket();
-  int st;
-  {
-    NoGil no_gil;
-    st = channel->post(values, 2, channel->timeout_s(), seq, err);
-  }
+  const int st = channel->post(values, 2, channel->timeout_s(), seq, err);
   if (st != kOk) {  // the Python side says why (it posts nothing: this exchange took its number)
     py::gil_scoped_acquire gil;
     (*g_py_start_failed)(name, st, err);
@@ -354,12 +368,8 @@ at::Tensor plan_guard(const at::Tensor& token, c10::string_view group_name, int6
   }
   std::vector<int64_t> theirs;
   int err = 0;
-  int st;
   const int64_t waited = p.channel->waited_ns();
-  {
-    NoGil no_gil;
-    st = p.channel->take(p.seq, p.channel->timeout_s(), theirs, err);
-  }
+  const int st = p.channel->take(p.seq, p.channel->timeout_s(), theirs, err);
   if (st == kOk && theirs.size() == 2 && std::max(h, theirs[0]) == h && std::max(-h, theirs[1]) == -h) {
     at::Tensor out = divisor_tensor(p.divisor, reduce_op, device);
     ++g_guards;
@@ -383,49 +393,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](Channel& c, const std::vector<int64_t>& values, double timeout_s) {
              int64_t seq = 0;
              int err = 0;
-             int st;
-             {
-               NoGil no_gil;
-               st = c.post(values.data(), uint32_t(values.size()), timeout_s, seq, err);
-             }
+             const int st = c.post(values.data(), uint32_t(values.size()), timeout_s, seq, err);
              return std::make_tuple(st, seq, err);
            })
       .def("take",
            [](Channel& c, int64_t seq, double timeout_s) {
              std::vector<int64_t> out;
              int err = 0;
-             int st;
-             {
-               NoGil no_gil;
-               st = c.take(seq, timeout_s, out, err);
-             }
+             const int st = c.take(seq, timeout_s, out, err);
              return std::make_tuple(st, out, err);
            })
       .def("arrived",
            [](Channel& c, int64_t seq) {
              bool here = false;
              int err = 0;
-             int st;
-             {
-               NoGil no_gil;
-               st = c.arrived(seq, here, err);
-             }
+             const int st = c.arrived(seq, here, err);
              return std::make_tuple(st, here, err);
            })
-      .def("error_bytes",
-           [](Channel& c) {
-             std::string bytes;
-             {
-               NoGil no_gil;
-               bytes = c.error_bytes();
-             }
-             return py::bytes(bytes);
-           })
-      .def("close",
-           [](Channel& c) {
-             NoGil no_gil;
-             c.close();
-           })
+      .def("error_bytes", [](Channel& c) { return py::bytes(c.error_bytes()); })
+      .def("close", &Channel::close)
       .def("close_in_child", &Channel::close_in_child)
       .def("fileno", &Channel::fileno)
       .def_property_readonly("closed", &Channel::closed);
