@@ -99,7 +99,8 @@ class Config:
     (``ddp_fusion/_native.py``); where it cannot be built, a warning says why and the
     Python code runs, with the same messages on the wire (ranks may differ in this).
     False: always the Python code. Read when a host group is made (the model's
-    construction) and at each steady step. Env: ``DDP_FUSION_NATIVE_CHECK``."""
+    construction) and when a plan's check passes in Python; turning it off takes the C++
+    kernels back at once. Env: ``DDP_FUSION_NATIVE_CHECK``."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         validate = _VALIDATORS.get(name)

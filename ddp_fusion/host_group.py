@@ -535,8 +535,7 @@ class PairChannel:
                         pass
                 if self._failed is not None:
                     raise ConnectionError(self._failed) from e
-                raise ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
-                                      f"or the connection broke ({type(e).__name__}: {e})") from e
+                raise self._send_failed(e) from e
         return PairMax(self, seq, mine)
 
     def take(self, seq: int, deadline: float) -> tuple[int, ...]:
@@ -560,16 +559,15 @@ class PairChannel:
         if self._failed is not None:
             raise ConnectionError(self._failed)
         if self._sock.fileno() < 0:
-            raise ConnectionError(f"the connection to {self._peer} was closed here: its host group has ended")
+            raise self._closed_here()
         try:
             data = self._sock.recv(1 << 16)
         except BlockingIOError:
             return False
         except OSError as e:
-            raise ConnectionError(f"{self._peer} closed the connection (its process ended: "
-                                  f"{type(e).__name__}: {e})") from e
+            raise self._peer_closed(e) from e
         if not data:
-            raise ConnectionError(f"{self._peer} closed the connection (its process ended)")
+            raise self._peer_closed()
         buf = self._buf
         buf += data
         at = 0
@@ -595,8 +593,23 @@ class PairChannel:
         reading, sending = ([], [self._sock]) if writing else ([self._sock], [])
         ready = left > 0 and any(_relay.ready(reading, sending, left))
         if not ready:
-            what = "read nothing" if writing else "sent nothing"
-            raise TimeoutError(f"{self._peer} {what} in time (it died, or is stuck before this exchange)")
+            raise self._timed_out(writing)
+
+    # -- the errors, worded alike for both channels ------------------------------------
+    def _send_failed(self, e: OSError) -> ConnectionError:
+        return ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
+                               f"or the connection broke ({type(e).__name__}: {e})")
+
+    def _closed_here(self) -> ConnectionError:
+        return ConnectionError(f"the connection to {self._peer} was closed here: its host group has ended")
+
+    def _peer_closed(self, e: OSError | None = None) -> ConnectionError:
+        how = "" if e is None else f": {type(e).__name__}: {e}"
+        return ConnectionError(f"{self._peer} closed the connection (its process ended{how})")
+
+    def _timed_out(self, writing: bool) -> TimeoutError:
+        what = "read nothing" if writing else "sent nothing"
+        return TimeoutError(f"{self._peer} {what} in time (it died, or is stuck before this exchange)")
 
     def fileno(self) -> int:
         """The socket's file descriptor (-1 once closed)."""
@@ -642,9 +655,8 @@ class NativePairChannel(PairChannel):
         :meth:`PairChannel.post` words it."""
         if self.core.arrived(-1)[0] == ERROR_FRAME:  # a relay that failed said why before it ended
             return self.error(ERROR_FRAME, 0)
-        e = OSError(err, os.strerror(err)) if status == OS_ERROR else self.error(status, err, writing=True)
-        return ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
-                               f"or the connection broke ({type(e).__name__}: {e})")
+        return self._send_failed(OSError(err, os.strerror(err)) if status == OS_ERROR
+                                 else self.error(status, err, writing=True))
 
     def take(self, seq: int, deadline: float) -> tuple[int, ...]:
         status, values, err = self.core.take(seq, max(0.0, deadline - time.monotonic()))
@@ -662,21 +674,15 @@ class NativePairChannel(PairChannel):
         """The error a channel operation that ended with ``status`` (``err``: its errno)
         raises, as :class:`PairChannel` words it."""
         if status == TIMED_OUT:
-            what = "read nothing" if writing else "sent nothing"
-            return TimeoutError(f"{self._peer} {what} in time (it died, or is stuck before this exchange)")
+            return self._timed_out(writing)
         if status == ERROR_FRAME:
             if self._failed is None:
                 text = _relay.take_error(bytearray(self.core.error_bytes()))
                 self._failed = f"{self._peer} failed: {text}"
             return ConnectionError(self._failed)
         if status == CLOSED_HERE:
-            return ConnectionError(f"the connection to {self._peer} was closed here: "
-                                   "its host group has ended")
-        if status == PEER_CLOSED:
-            return ConnectionError(f"{self._peer} closed the connection (its process ended)")
-        e = OSError(err, os.strerror(err))
-        return ConnectionError(f"{self._peer} closed the connection "
-                               f"(its process ended: {type(e).__name__}: {e})")
+            return self._closed_here()
+        return self._peer_closed(None if status == PEER_CLOSED else OSError(err, os.strerror(err)))
 
     def fileno(self) -> int:
         return self.core.fileno()
