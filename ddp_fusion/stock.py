@@ -123,7 +123,7 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
         WHO,
         bool(arguments.get("gradient_as_bucket_view")),
         auto,
-        {"broadcast_buffers": bool(ddp.broadcast_buffers)},
+        {"broadcast_buffers": _torch.ddp.forward_sync_buffers(ddp)},
     )
     _torch.ddp.detach_cpp_reducer(ddp)
     ddp._ddp_fusion = sync
@@ -168,7 +168,7 @@ class _Behaviour(_torch.ddp.AdoptedBehaviour):
 
 def _buffers(ddp: Any) -> list | None:
     """The buffers torch DDP broadcasts at a forward (None: broadcast_buffers off)."""
-    if ddp is None or not ddp.broadcast_buffers:
+    if ddp is None or not _torch.ddp.forward_sync_buffers(ddp):
         return None
     ignored = _torch.ddp.ignored_names(ddp)
     return [b for n, b in ddp.module.named_buffers() if n not in ignored]

@@ -3,6 +3,7 @@
 same model under eager torch DDP (flag off)."""
 
 import copy
+import inspect
 
 import torch
 from torch import nn
@@ -86,6 +87,20 @@ def stock_ddp(rank, world_size):
                     "buffers": _max_diff(model.module.buffers(), ref.module.buffers()),
                     "params": _max_diff(model.module.parameters(), ref.module.parameters()),
                 }
+
+    # torch 2.14's forward_sync_buffers=False (broadcast_buffers is deprecated there):
+    # buffers broadcast at construction, not at forwards
+    if "forward_sync_buffers" in inspect.signature(stock.__init__).parameters:
+        ref = stock(BNNet(), forward_sync_buffers=False)
+        _train(ref, bn_batches)
+        with ddp_fusion.config.patch(enabled=True):
+            torch._dynamo.reset()
+            model = stock(BNNet(), forward_sync_buffers=False)
+            _train(torch.compile(model), bn_batches)
+        out["buffers_forward_sync_off"] = {
+            "buffers": _max_diff(model.module.buffers(), ref.module.buffers()),
+            "params": _max_diff(model.module.parameters(), ref.module.parameters()),
+        }
 
     # 3. no_sync, find_unused_parameters, a process group that is not the world.
     group = torch.distributed.new_group(list(range(world_size)))

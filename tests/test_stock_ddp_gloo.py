@@ -4,6 +4,7 @@ forward (stock and wrapper), no_sync + find_unused_parameters on a non-world gro
 torch's fp16/bf16 compress hooks, parameters and buffers marked to be ignored."""
 
 import pytest
+import torch
 
 from ddp_fusion.launch import run_ranks
 
@@ -36,6 +37,16 @@ def test_buffers_are_broadcast_at_each_forward_as_eager_ddp(results, kind):
         for flag in (True, False):
             got = r[f"buffers_{kind}_{flag}"]
             assert got["buffers"] < 1e-5 and got["params"] < 1e-5, (kind, flag, got)
+
+
+def test_forward_sync_buffers_off_broadcasts_at_construction_only(results):
+    """torch 2.14's ``forward_sync_buffers=False`` (``broadcast_buffers`` is deprecated
+    there), as eager DDP keeps it; older releases lack the argument."""
+    if "buffers_forward_sync_off" not in results[0]:
+        pytest.skip(f"torch {torch.__version__}'s DDP has no forward_sync_buffers")
+    for r in results:
+        got = r["buffers_forward_sync_off"]
+        assert got["buffers"] < 1e-5 and got["params"] < 1e-5, got
 
 
 def test_no_sync_and_unused_parameters_on_a_subgroup(results):

@@ -150,5 +150,39 @@ def test_a_torch_without_a_needed_internal_fails_naming_it(monkeypatch):
     the first use of ddp_fusion: turning it on, building a model, running the pass)."""
     monkeypatch.setattr(_torch, "_checked", False)
     monkeypatch.delattr(torch.nn.parallel.DistributedDataParallel, "_pre_forward")
-    with pytest.raises(ImportError, match=r"DistributedDataParallel\._pre_forward.*tested with torch 2\.13"):
+    wanted = r"DistributedDataParallel\._pre_forward.*tested with torch 2\.11 to 2\.14"
+    with pytest.raises(ImportError, match=wanted):
         _torch.check_torch()
+
+
+@pytest.mark.parametrize("version, warns", [
+    ("2.10.0", True), ("2.11.0+cpu", False), ("2.14.1+cu130", False), ("2.15.0", True),
+    ("2.16.0.dev20261120+cpu", True),
+])
+def test_a_torch_outside_the_tested_window_warns_once_naming_it(monkeypatch, recwarn, version, warns):
+    """Outside the window ddp_fusion runs (the names it needs are checked) and says so
+    once, where it is first used; inside it says nothing."""
+    monkeypatch.setattr(_torch, "_checked", False)
+    monkeypatch.setattr(torch, "__version__", version)
+    _torch.check_torch()
+    _torch.check_torch()
+    said = [str(w.message) for w in recwarn if issubclass(w.category, _torch.UntestedTorchWarning)]
+    if warns:
+        assert len(said) == 1 and f"tested with torch 2.11 to 2.14; this is torch {version}" in said[0]
+    else:
+        assert said == []
+
+
+def test_the_window_is_declared_once_everywhere():
+    """pyproject's lower bound is the oldest tested release and it has no upper bound (pip
+    keeps a user's newer torch); the window script tests the releases TESTED_TORCH names."""
+    import tomllib
+
+    root = PACKAGE.parent
+    with open(root / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    assert f"torch>={_torch.TESTED_TORCH[0]}" in deps
+    script = ast.parse((root / ".ci" / "torch_window.py").read_text())
+    (window,) = [ast.literal_eval(node.value) for node in script.body
+                 if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "WINDOW"]
+    assert tuple(_torch.minor_version(v) for v in window) == _torch.TESTED_TORCH

@@ -18,12 +18,18 @@ process (``config.enabled`` set in code, a model wrapped or adopted, the tagged 
 called, the pass run), not at ``import ddp_fusion``, which stays cheap (torch imports
 it through its entry point at every ``import torch``). ``tests/test_torch_shim.py``
 checks that the lists cover every private name the modules use, and that no other
-module of the package touches private torch. Tested: torch 2.13 (``TESTED_TORCH``).
+module of the package touches private torch.
+
+Tested: the torch releases in ``TESTED_TORCH`` (the whole suite passes on each,
+``.ci/torch_window.py``). On another release :func:`check_torch` warns once, naming the
+window, and goes on: the names it needs are still checked, and what differs between
+releases is in docs/limits.md.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import torch
@@ -35,8 +41,9 @@ __all__ = [
     "tensors",
 ]
 
-#: torch versions a full test run has passed with.
-TESTED_TORCH = ("2.13",)
+#: torch minor releases the whole test suite has passed with (.ci/torch_window.py), oldest
+#: first; pyproject.toml's lower bound is the first.
+TESTED_TORCH = ("2.11", "2.12", "2.13", "2.14")
 
 SUBSYSTEMS = (compiled_autograd, ddp, distributed, dynamo, inductor, logs, patching, tensors)
 
@@ -61,16 +68,43 @@ def resolve(dotted: str) -> Any:
     raise ImportError(dotted)
 
 
+class UntestedTorchWarning(UserWarning):
+    """ddp_fusion runs on a torch release outside its tested window."""
+
+
+def minor_version(version: str | None = None) -> str:
+    """``"2.14"`` for ``"2.14.1+cu130"`` (and for a pre-release of 2.14); torch's own
+    version by default."""
+    return ".".join(str(version or torch.__version__).split("+")[0].split(".")[:2])
+
+
+def in_tested_window(version: str | None = None) -> bool:
+    return minor_version(version) in TESTED_TORCH
+
+
+def window() -> str:
+    return f"{TESTED_TORCH[0]} to {TESTED_TORCH[-1]}"
+
+
 _checked = False
 
 
 def check_torch() -> None:
     """Raise ``ImportError`` naming every private torch API ddp_fusion needs that this
-    torch lacks. Called before ddp_fusion first touches torch internals (turning
+    torch lacks, and warn (once, :class:`UntestedTorchWarning`) on a torch outside
+    ``TESTED_TORCH``. Called before ddp_fusion first touches torch internals (turning
     ``enabled`` on, building a model, running the pass); checks once per process."""
     global _checked
     if _checked:
         return
+    if not in_tested_window():
+        warnings.warn(
+            f"ddp_fusion is tested with torch {window()}; this is torch {torch.__version__}. "
+            f"It checks the torch internals it needs (an error names any that are missing), "
+            f"but behaviour that changed without a name changing is not tested here: compare a "
+            f"few steps with eager torch DDP before you rely on it",
+            UntestedTorchWarning, stacklevel=3,
+        )
     missing = []
     for name in required():
         try:
@@ -80,7 +114,7 @@ def check_torch() -> None:
     if missing:
         raise ImportError(
             f"ddp_fusion needs torch internals that torch {torch.__version__} lacks: "
-            f"{', '.join(missing)}. ddp_fusion is tested with torch "
-            f"{', '.join(TESTED_TORCH)}; see ddp_fusion/_torch/"
+            f"{', '.join(missing)}. ddp_fusion is tested with torch {window()}; "
+            f"see ddp_fusion/_torch/"
         )
     _checked = True

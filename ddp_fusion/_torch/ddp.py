@@ -169,11 +169,19 @@ def detach_cpp_reducer(ddp: Any) -> None:
         type(ddp.module).__name__,
         list(ddp.device_ids or []),
         -1 if ddp.output_device is None else ddp.output_device,
-        getattr(ddp, "forward_sync_buffers", ddp.broadcast_buffers),
+        forward_sync_buffers(ddp),
         any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules()),
         bool(getattr(ddp, "static_graph", False)),
     )
     ddp.reducer, ddp.logger = reducer, logger  # (the reducer keeps the placeholder)
+
+
+def forward_sync_buffers(ddp: Any) -> bool:
+    """Whether torch DDP broadcasts the module's buffers at each forward: its
+    ``forward_sync_buffers`` from torch 2.14 (where ``broadcast_buffers`` is a deprecated
+    property over it), ``broadcast_buffers`` before."""
+    sync = getattr(ddp, "forward_sync_buffers", None)
+    return bool(ddp.broadcast_buffers if sync is None else sync)
 
 
 def module_ignored_names(module: torch.nn.Module) -> set[str]:

@@ -38,9 +38,13 @@ def fake_mode(allow_non_fake_inputs: bool = False) -> Any:
 
 
 def is_fake(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
+    """Whether ``t`` is itself a fake tensor: a Python ``FakeTensor`` or, from torch 2.14,
+    a fake made in C++, which is no ``FakeTensor`` instance (torch's own
+    ``is_fake_tensor`` knows both; older releases have only the Python kind)."""
+    from torch._subclasses import fake_tensor
 
-    return isinstance(t, FakeTensor)
+    either = getattr(fake_tensor, "is_fake_tensor", None)  # torch >= 2.14
+    return either(t) if either is not None else isinstance(t, fake_tensor.FakeTensor)
 
 
 def fake_view_op(mode: Any, op: Any, base: torch.Tensor, *args: Any) -> Any:
@@ -72,7 +76,7 @@ def fake_empty(mode: Any, like: torch.Tensor, dtype: torch.dtype | None = None,
 def _wrap_fake(mode: Any, t: torch.Tensor, device: torch.device) -> torch.Tensor:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if isinstance(t, FakeTensor):
+    if is_fake(t):
         return t
     # a fresh meta tensor: nothing to look up in (or add to) the converter's memo
     return FakeTensor(mode, t, device)
