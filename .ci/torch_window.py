@@ -72,13 +72,20 @@ def _integrations() -> list[str]:
         return tomllib.load(f)["project"]["optional-dependencies"]["integrations"]
 
 
+def _torch_version(py: Path) -> subprocess.CompletedProcess:
+    # run outside the checkout: from its root, the editable install's metadata there
+    # (ddp_fusion.egg-info) makes torch load ddp_fusion's entry point into an
+    # environment that may not hold ddp_fusion's dependencies yet
+    return subprocess.run([str(py), "-c", "import torch; print(torch.__version__)"],
+                          capture_output=True, text=True, cwd=py.parent)
+
+
 def _venv(version: str, base: Path, log) -> Path:
     """A virtual environment holding torch ``version`` (made, or reused)."""
     venv = base / f"torch-{version}"
     py = venv / "bin" / "python"
     if py.exists():
-        got = subprocess.run([str(py), "-c", "import torch; print(torch.__version__)"],
-                             capture_output=True, text=True)
+        got = _torch_version(py)
         if got.returncode == 0 and got.stdout.strip().split("+")[0] == version:
             return venv
     _run([sys.executable, "-m", "venv", "--clear", str(venv)], log, check=True)
@@ -131,9 +138,8 @@ def check(version: str, base: Path, tests: list[str], logs: Path, demo: bool) ->
             venv = _venv(version, base, log)
             py = str(venv / "bin" / "python")
             _install(venv, version, out, log)
-            got = subprocess.run([py, "-c", "import torch; print(torch.__version__)"],
-                                 capture_output=True, text=True, check=True)
-            out.torch = got.stdout.strip()
+            got = _torch_version(venv / "bin" / "python")
+            out.torch = got.stdout.strip() if got.returncode == 0 else f"import failed: {got.stderr[-300:]}"
             if out.torch.split("+")[0] != version:
                 out.error = f"the install replaced torch {version} with {out.torch}"
                 return out

@@ -4,6 +4,7 @@ per bucket, gradients match the unfused run, and Inductor's FX graph cache is us
 """
 
 import gc
+import re
 
 import pytest
 import torch
@@ -273,7 +274,8 @@ def test_the_compiled_backward_leaves_checking_its_inputs_to_dynamos_guards():
     assert len(backward) == 1 and len(forward) == 1
     assert "'input')" in forward[0]
     assert "'input')" not in backward[0]
-    assert "assert_size_stride(buf" in backward[0]  # the outputs of ddp_fusion's ops
+    # the outputs of ddp_fusion's ops (torch 2.14 checks them with assert_tensor_metadata)
+    assert re.search(r"assert_(size_stride|tensor_metadata)\(buf", backward[0])
 
 
 def test_each_hook_costs_the_compiled_backward_one_guard_on_its_own_values():
@@ -395,3 +397,57 @@ def test_a_parameter_unfrozen_after_wrapping_raises_at_the_next_step(wrap):
         with pytest.raises(RuntimeError, match=r"parameter\(s\) '0.weight' did not require grad when the "
                                                r"model was wrapped and do now"):
             model(torch.randn(4, 8)).sum().backward()
+
+
+class _BatchNormMLP(torch.nn.Module):
+    """Buffers for torch DDP to broadcast in the forward, and two buckets in the backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.bn = torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64)
+        self.b, self.c = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.bn(self.a(x))))))
+
+
+def _collective_calls(code: str) -> list[str]:
+    """The code's collective, wait and ddp_fusion calls in order, buffers unnamed."""
+    calls = re.findall(r"^ +(?:\w+ = )?(torch\.ops\.(?:ddp_fusion|_c10d_functional)\.\w+\.default\(.*)$",
+                       code, re.M)
+    return [re.sub(r"\bbuf\d+\b", "buf", c) for c in calls]
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._inductor.config.aten_distributed_optimizations, "enable_simple_overlap"),
+    reason="Inductor's simple overlap (on by default) is new in torch 2.14",
+)
+def test_inductors_simple_overlap_moves_no_bucket_and_keeps_the_broadcasts_order(fake_pg):
+    """torch 2.14's Inductor moves collectives earlier and waits later by default
+    (``aten_distributed_optimizations.enable_simple_overlap``). ddp_fusion keeps it on:
+    it does not touch the backward's buckets (ddp_fusion's own ops, which it does not take
+    for collectives), and in the forward it issues torch DDP's buffer broadcasts in their
+    order, the later ones before the earlier ones' waits."""
+    from torch._inductor.utils import run_and_get_code
+
+    def compiled(overlap: bool) -> tuple[list[str], list[str]]:
+        torch._dynamo.reset()
+        patch = {"fx_graph_cache": False, "aten_distributed_optimizations.enable_simple_overlap": overlap}
+        with ddp_fusion.config.patch(enabled=True), torch._inductor.config.patch(patch):
+            ddp = torch.nn.parallel.DistributedDataParallel(_BatchNormMLP(), bucket_cap_mb=0.01)
+            model = torch.compile(ddp)
+            _, codes = run_and_get_code(lambda: model(torch.randn(16, 32)).sum().backward())
+        torch._dynamo.reset()
+        (backward,) = [c for c in codes if "ddp_fusion" in c]
+        (forward,) = [c for c in codes if "ddp_fusion" not in c]
+        return _collective_calls(forward), _collective_calls(backward)
+
+    forward_on, backward_on = compiled(True)
+    forward_off, backward_off = compiled(False)
+    assert sum("all_reduce_bucket" in c for c in backward_on) == 2, backward_on
+    assert backward_on == backward_off
+    broadcasts = [c for c in forward_off if "broadcast" in c]
+    assert len(broadcasts) >= 2, forward_off
+    assert [c for c in forward_on if "broadcast" in c] == broadcasts
+    assert sorted(forward_on) == sorted(forward_off)

@@ -86,7 +86,10 @@ def test_small_run_prints_only_its_own_lines_and_counts_all_reduces_exactly(tmp_
            "--steps", "2", "--bucket-cap-mb", "0.0003", "--dump-dir", str(dumps)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert proc.stderr == "", proc.stderr[-5000:]
+    # torch's own line, not ddp_fusion's: Inductor compiling for the CPU with a CUDA build
+    # of torch on a machine without a GPU (the 2.11, 2.12 and 2.14 wheels here) logs it
+    torch_own = "No CUDA runtime is found, using CUDA_HOME="
+    assert [line for line in proc.stderr.splitlines() if torch_own not in line] == [], proc.stderr[-5000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("ddp_fusion demo: 2 x Linear(8, 8) on 2 gloo ranks"), lines
     own = (r"ddp_fusion demo: ", r"$", r"bucket plan \(rank 0", r"  bucket \d+: ", r"mode ",
