@@ -8,8 +8,9 @@ virtual environment per release, and a table of what passed.
     python3 .ci/torch_window.py --venvs /tmp/tw --out bench/out/torch_window.md
 
 For each release it makes a virtual environment (kept under ``--venvs`` and reused when it
-already holds that torch), installs that torch, then ddp_fusion with its ``test`` and
-``integrations`` extras under a constraint that keeps that torch: an integration whose
+already holds that torch), installs that torch, then ddp_fusion with its ``test`` extra as
+a user would (nothing holds torch: the release fails if pip replaces it), then the
+``integrations`` extra under a constraint that keeps that torch: an integration whose
 pinned release would replace torch is left out, and its tests skip by name
 (``pytest.importorskip``). It checks that the install kept the torch, runs the demo
 (``python -m ddp_fusion``: passes when fused issues fewer all-reduces than unfused), and
@@ -93,15 +94,20 @@ def _venv(version: str, base: Path, log) -> Path:
     return venv
 
 
-def _install(venv: Path, version: str, out: Outcome, log) -> None:
+def _install(venv: Path, version: str, out: Outcome, log, integrations: bool) -> None:
     """ddp_fusion with its test extra and every integration that keeps torch ``version``."""
     py = str(venv / "bin" / "python")
+    # ddp_fusion itself as a user installs it, with nothing holding torch: check() then
+    # fails the release if pip replaced its torch
+    _run([py, "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]"], log, check=True)
+    if not integrations:
+        out.left_out.append("all (--no-integrations)")
+        return
     keep = venv / "keep-torch.txt"
     keep.write_text(f"torch=={version}\n")
     pip = [py, "-m", "pip", "install", "-q", "-c", str(keep)]
     if _run(pip + ["-e", f"{ROOT}[test,integrations]"], log).returncode == 0:
         return
-    _run(pip + ["-e", f"{ROOT}[test]"], log, check=True)
     for requirement in _integrations():
         if _run(pip + [requirement], log).returncode != 0:
             out.left_out.append(requirement)
@@ -130,14 +136,14 @@ def _count(report: Path, out: Outcome) -> None:
             out.passed += 1
 
 
-def check(version: str, base: Path, tests: list[str], logs: Path, demo: bool) -> Outcome:
+def check(version: str, base: Path, tests: list[str], logs: Path, demo: bool, integrations: bool) -> Outcome:
     out = Outcome(version)
     start = time.monotonic()
     with open(logs / f"torch-{version}.log", "w") as log:
         try:
             venv = _venv(version, base, log)
             py = str(venv / "bin" / "python")
-            _install(venv, version, out, log)
+            _install(venv, version, out, log, integrations)
             got = _torch_version(venv / "bin" / "python")
             out.torch = got.stdout.strip() if got.returncode == 0 else f"import failed: {got.stderr[-300:]}"
             if out.torch.split("+")[0] != version:
@@ -186,6 +192,8 @@ def main() -> int:
     parser.add_argument("--venvs", type=Path, default=default_venvs,
                         help="where the environments are made and kept (default: %(default)s)")
     parser.add_argument("--no-demo", action="store_true", help="skip the demo")
+    parser.add_argument("--no-integrations", action="store_true",
+                        help="install the test extra only (the integrations' tests skip)")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     tests = shlex.split(args.tests)
@@ -193,10 +201,14 @@ def main() -> int:
     outcomes = []
     for version in args.versions.split(","):
         print(f"==== torch {version} (log: {args.venvs / f'torch-{version}.log'})", flush=True)
-        outcomes.append(check(version, args.venvs, tests, args.venvs, not args.no_demo))
+        outcomes.append(check(version, args.venvs, tests, args.venvs, not args.no_demo,
+                              not args.no_integrations))
         o = outcomes[-1]
         print(f"     {o.torch}: demo {o.demo}; {o.passed} passed, {o.failed} failed, {o.skipped} skipped"
               f"{'; ' + o.error if o.error else ''} ({o.seconds / 60:.1f} min)", flush=True)
+        if not o.ok:  # the log's end, for a run whose environments are thrown away (CI)
+            lines = (args.venvs / f"torch-{version}.log").read_text(errors="replace").splitlines()
+            print("\n".join(line for line in lines[-80:] if "is ignored: it is neither" not in line))
     text = table(outcomes, tests)
     print(text)
     if args.out:
