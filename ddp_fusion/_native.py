@@ -11,17 +11,75 @@ a C++ compiler and ``ninja`` (a dependency); about 25 s the first time on a mach
 then loaded from torch's extension cache (``TORCH_EXTENSIONS_DIR``). Where it cannot be
 built, or ``ddp_fusion.config.native_check`` is False, the same exchanges run in Python,
 with the same frames on the wire: ranks with and without it work together.
+
+The build has a directory of its own for each torch build, Python and source
+(``ddp_fusion_host_check_<hash>`` under the cache's root), so no process loads a module
+built for another torch or from another source, and the lock file a torch leaves there
+cannot block another. torch up to 2.13 takes the existence of the ``lock`` file in a
+build directory as the lock (``FileBaton``, which waits without a timeout), so a build
+killed half-way blocks every later one; 2.14 holds an OS lock on that file and leaves
+the file behind. Every build of ddp_fusion's first takes an OS lock of its own
+(``build.lock`` beside it, released by the kernel when its holder dies), waiting for it
+at most :data:`BUILD_WAIT_S`; holding it, any ``lock`` file there is a dead build's,
+and is removed. A wait that runs out gives the Python path, and the warning names the
+lock's path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import os
+import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "host_check.cpp")
+NAME = "ddp_fusion_host_check"
+FLAGS = ("-O2",)
+
+BUILD_WAIT_S = 300.0
+"""How long a process waits for another's build of the same extension (one takes about
+25 s on 2 cores) before it runs the Python path."""
 
 _failure: list[str] = []
+
+
+def build_directory() -> str:
+    """Where this torch, Python and source build the extension: one directory each."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    key = hashlib.sha256()
+    for part in (torch.__version__, str(torch.version.git_version), sys.version, repr(FLAGS)):
+        key.update(part.encode() + b"\0")
+    with open(SOURCE, "rb") as f:
+        key.update(f.read())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return os.path.join(root, f"{NAME}_{key.hexdigest()[:16]}")
+
+
+@contextlib.contextmanager
+def _build_lock(directory: str, wait_s: float) -> Iterator[bool]:
+    """Hold ``directory``'s ``build.lock`` (True), or give up after ``wait_s`` (False)."""
+    with open(os.path.join(directory, "build.lock"), "a") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.1)
+        try:
+            yield True
+        finally:
+            fcntl.lockf(f, fcntl.LOCK_UN)
 
 
 @functools.cache
@@ -31,7 +89,19 @@ def load() -> Any | None:
     try:
         from torch.utils.cpp_extension import load as build
 
-        return build("ddp_fusion_host_check", [SOURCE], extra_cflags=["-O2"], verbose=False)
+        directory = build_directory()
+        os.makedirs(directory, exist_ok=True)
+        with _build_lock(directory, BUILD_WAIT_S) as held:
+            if not held:
+                _failure.append(
+                    f"another process has held {os.path.join(directory, 'build.lock')} for over "
+                    f"{BUILD_WAIT_S:.0f} s while building the extension; this process goes on "
+                    f"without it"
+                )
+                return None
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, "lock"))  # a dead build's: no live one holds it
+            return build(NAME, [SOURCE], extra_cflags=list(FLAGS), build_directory=directory, verbose=False)
     except Exception as e:  # noqa: BLE001 - the Python path works without it; logged by the caller
         _failure.append(f"{type(e).__name__}: {e}".strip()[:2000])
         return None
