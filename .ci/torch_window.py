@@ -17,8 +17,10 @@ pinned release would replace torch is left out, and its tests skip by name
 runs pytest with a JUnit report, from which the table counts passed, failed and skipped
 tests and names the failures. Exits non-zero if any release failed anything.
 
-Standard library only: it runs with the interpreter that makes the environments. One
-release at a time (the tests are timing-free but the machine has 2 cores).
+Standard library only (Python 3.11 or later, for ``tomllib``): it runs with the
+interpreter that makes the environments. One release at a time (the machine has 2
+cores). Each command runs with its environment's ``bin`` first on ``PATH`` and without
+the caller's ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,20 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return not self.error and self.failed == 0 and (self.demo == "-" or self.demo.startswith("fused"))
+
+
+PYTEST_TIMEOUT_S = 3600
+"""A release whose tests run longer than this has hung (the whole suite takes about 25
+minutes on 2 cores)."""
+
+
+def _env(venv: Path) -> dict[str, str]:
+    """The environment a command in ``venv`` runs with: its own ``bin`` first (torch finds
+    ``ninja`` there), nothing from the caller's ``PYTHONPATH`` or virtual environment."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(venv)
+    return env
 
 
 def _run(cmd: list[str], log, **kw) -> subprocess.CompletedProcess:
@@ -115,7 +131,7 @@ def _install(venv: Path, version: str, out: Outcome, log, integrations: bool) ->
 
 def _demo(py: str, log) -> str:
     got = subprocess.run([py, "-m", "ddp_fusion"], capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, cwd=ROOT, timeout=1800)
+                         stdin=subprocess.DEVNULL, cwd=ROOT, timeout=1800, env=_env(Path(py).parent.parent))
     log.write(got.stdout + got.stderr)
     m = re.search(r"fused issues (\d+) all-reduces per step where unfused issues (\d+)", got.stdout)
     if got.returncode != 0 or not m:
@@ -152,12 +168,15 @@ def check(version: str, base: Path, tests: list[str], logs: Path, demo: bool, in
             if demo:
                 out.demo = _demo(py, log)
             report = logs / f"torch-{version}.xml"
-            _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *tests],
-                 log, cwd=ROOT)
+            report.unlink(missing_ok=True)  # never count an earlier run's
+            code = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *tests],
+                        log, cwd=ROOT, env=_env(venv), timeout=PYTEST_TIMEOUT_S).returncode
             if report.exists():
                 _count(report, out)
-            else:
-                out.error = "pytest wrote no report"
+            # 0 all passed, 1 some failed; anything else (nothing collected, a path that is
+            # not there, an internal error, an interruption) fails the release
+            if code not in (0, 1) or (code == 1 and not out.failed) or out.passed == 0:
+                out.error = f"pytest exited {code} with {out.passed} passed"
         except (subprocess.SubprocessError, OSError) as e:
             out.error = f"{type(e).__name__}: {e}"
         finally:

@@ -19,20 +19,24 @@ cannot block another. torch up to 2.13 takes the existence of the ``lock`` file 
 build directory as the lock (``FileBaton``, which waits without a timeout), so a build
 killed half-way blocks every later one; 2.14 holds an OS lock on that file and leaves
 the file behind. Every build of ddp_fusion's first takes an OS lock of its own
-(``build.lock`` beside it, released by the kernel when its holder dies), waiting for it
-at most :data:`BUILD_WAIT_S`; holding it, any ``lock`` file there is a dead build's,
-and is removed. A wait that runs out gives the Python path, and the warning names the
-lock's path.
+(``build.lock`` beside it, a POSIX record lock, released by the kernel when its holder
+dies), waiting for it at most :data:`BUILD_WAIT_S`; holding it, any ``lock`` file there
+is a dead build's, and is removed. A wait that runs out gives the Python path, and the
+warning names the lock's path. On a file system without POSIX locks (NFS mounted
+``nolock``) the build runs under torch's lock file alone, as torch's own builds do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import os
+import platform
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -54,7 +58,8 @@ def build_directory() -> str:
     from torch.utils.cpp_extension import get_default_build_root
 
     key = hashlib.sha256()
-    for part in (torch.__version__, str(torch.version.git_version), sys.version, repr(FLAGS)):
+    build = (torch.__version__, str(torch.version.git_version), sys.version, platform.machine(), repr(FLAGS))
+    for part in build:
         key.update(part.encode() + b"\0")
     with open(SOURCE, "rb") as f:
         key.update(f.read())
@@ -62,16 +67,26 @@ def build_directory() -> str:
     return os.path.join(root, f"{NAME}_{key.hexdigest()[:16]}")
 
 
+_CONTENDED = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)  # POSIX lets a held lock give either
+
+
+class _NoLocksError(Exception):
+    """The file system of the build directory does not lock (NFS mounted ``nolock``...)."""
+
+
 @contextlib.contextmanager
 def _build_lock(directory: str, wait_s: float) -> Iterator[bool]:
-    """Hold ``directory``'s ``build.lock`` (True), or give up after ``wait_s`` (False)."""
+    """Hold ``directory``'s ``build.lock`` (True), or give up after ``wait_s`` (False);
+    raises :class:`_NoLocksError` where the file system has no locks."""
     with open(os.path.join(directory, "build.lock"), "a") as f:
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
+            except OSError as e:
+                if e.errno not in _CONTENDED:
+                    raise _NoLocksError(f"{type(e).__name__}: {e}") from e
                 if time.monotonic() >= deadline:
                     yield False
                     return
@@ -82,6 +97,9 @@ def _build_lock(directory: str, wait_s: float) -> Iterator[bool]:
             fcntl.lockf(f, fcntl.LOCK_UN)
 
 
+_in_process = threading.Lock()  # lockf's locks are the process's: one thread at a time here
+
+
 @functools.cache
 def load() -> Any | None:
     """The extension module, built or loaded once per process; None where it cannot be
@@ -89,19 +107,27 @@ def load() -> Any | None:
     try:
         from torch.utils.cpp_extension import load as build
 
+        def built() -> Any:
+            return build(NAME, [SOURCE], extra_cflags=list(FLAGS), build_directory=directory, verbose=False)
+
         directory = build_directory()
         os.makedirs(directory, exist_ok=True)
-        with _build_lock(directory, BUILD_WAIT_S) as held:
-            if not held:
-                _failure.append(
-                    f"another process has held {os.path.join(directory, 'build.lock')} for over "
-                    f"{BUILD_WAIT_S:.0f} s while building the extension; this process goes on "
-                    f"without it"
-                )
-                return None
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(directory, "lock"))  # a dead build's: no live one holds it
-            return build(NAME, [SOURCE], extra_cflags=list(FLAGS), build_directory=directory, verbose=False)
+        with _in_process:
+            try:
+                with _build_lock(directory, BUILD_WAIT_S) as held:
+                    if not held:
+                        _failure.append(
+                            f"another process has held {os.path.join(directory, 'build.lock')} for "
+                            f"over {BUILD_WAIT_S:.0f} s while building the extension; this process "
+                            f"goes on without it"
+                        )
+                        return None
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(directory, "lock"))  # a dead build's: no live one holds it
+                    return built()
+            except _NoLocksError:
+                # no lock of ours: torch's own (its lock file), stale ones included, as before
+                return built()
     except Exception as e:  # noqa: BLE001 - the Python path works without it; logged by the caller
         _failure.append(f"{type(e).__name__}: {e}".strip()[:2000])
         return None

@@ -88,7 +88,7 @@ def stock_ddp(rank, world_size):
                     "params": _max_diff(model.module.parameters(), ref.module.parameters()),
                 }
 
-    # torch 2.14's forward_sync_buffers=False (broadcast_buffers is deprecated there):
+    # torch 2.13's forward_sync_buffers=False (broadcast_buffers is deprecated since):
     # buffers broadcast at construction, not at forwards
     if "forward_sync_buffers" in inspect.signature(stock.__init__).parameters:
         ref = stock(BNNet(), forward_sync_buffers=False)

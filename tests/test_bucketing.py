@@ -3,7 +3,7 @@
 The reference is torch's own C++ ``compute_bucket_assignment_by_size`` called the way
 ``Reducer::rebuild_buckets`` calls it after the first iteration (gradients in ready
 order, limits from the DDP arguments); limits are checked against
-``torch.nn.parallel.distributed._BucketCapacityConfig``.
+torch DDP's own rule (tests/_torch_buckets.py).
 """
 
 import random
@@ -11,13 +11,14 @@ import random
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.nn.parallel.distributed import _BucketCapacityConfig
 
 import ddp_fusion
 from ddp_fusion import _torch
 from ddp_fusion.plan import ddp_bucket_limits
 from ddp_fusion.passes.collectives import find_gradient_all_reduces
 from ddp_fusion.passes.bucketing import plan_buckets
+
+from _torch_buckets import torch_rebuild_limits
 
 BUCKET_ARGS = [
     dict(),  # defaults: 1 MiB first bucket, then 25 MiB
@@ -29,11 +30,6 @@ BUCKET_ARGS = [
 ]
 
 
-def torch_rebuild_limits(bucket_cap_mb=None, bucket_cap_mb_list=None):
-    """The limits torch DDP's reducer uses when it rebuilds buckets."""
-    cfg = _BucketCapacityConfig.create(bucket_cap_mb, bucket_cap_mb_list, use_python_reducer=False)
-    _, for_rebuild = cfg.compute_bucket_size_limits(static_graph=False, find_unused_parameters=False)
-    return for_rebuild or [cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap]
 
 
 @pytest.mark.parametrize("args", BUCKET_ARGS, ids=str)

@@ -45,13 +45,14 @@ import torch.distributed._functional_collectives as fcol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.nn.parallel.distributed import _BucketCapacityConfig
 
 import ddp_fusion
 from ddp_fusion import _torch
 from ddp_fusion.passes import fuse_ddp_allreduces
 from ddp_fusion.plan import ddp_bucket_limits
 from ddp_fusion.passes.collectives import BucketKey
+
+from _torch_buckets import torch_rebuild_limits
 
 ALL_REDUCE_GRADIENT = torch.ops.ddp_fusion.all_reduce_gradient.default
 C10D = torch.ops._c10d_functional
@@ -265,12 +266,6 @@ def build(spec: GraphSpec):
 # --------------------------------------------------------------------------- the reference
 
 
-def torch_rebuild_limits(bucket_cap_mb=None, bucket_cap_mb_list=None) -> list[int]:
-    """The limits torch DDP's reducer uses when it rebuilds buckets (as in
-    test_bucketing.py)."""
-    cfg = _BucketCapacityConfig.create(bucket_cap_mb, bucket_cap_mb_list, use_python_reducer=False)
-    _, for_rebuild = cfg.compute_bucket_size_limits(static_graph=False, find_unused_parameters=False)
-    return for_rebuild or [cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap]
 
 
 def _same_rule(a: list[int], b: list[int]) -> bool:

@@ -40,8 +40,8 @@ def test_buffers_are_broadcast_at_each_forward_as_eager_ddp(results, kind):
 
 
 def test_forward_sync_buffers_off_broadcasts_at_construction_only(results):
-    """torch 2.14's ``forward_sync_buffers=False`` (``broadcast_buffers`` is deprecated
-    there), as eager DDP keeps it; older releases lack the argument."""
+    """torch 2.13's ``forward_sync_buffers=False`` (``broadcast_buffers`` is deprecated
+    since), as eager DDP keeps it; older releases lack the argument."""
     if "buffers_forward_sync_off" not in results[0]:
         pytest.skip(f"torch {torch.__version__}'s DDP has no forward_sync_buffers")
     for r in results:

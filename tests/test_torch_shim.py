@@ -176,7 +176,7 @@ def test_a_torch_outside_the_tested_window_warns_once_naming_it(monkeypatch, rec
 def test_the_window_is_declared_once_everywhere():
     """pyproject's lower bound is the oldest tested release and it has no upper bound (pip
     keeps a user's newer torch); the window script tests the releases TESTED_TORCH names."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
 
     root = PACKAGE.parent
     with open(root / "pyproject.toml", "rb") as f:

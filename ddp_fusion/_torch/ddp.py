@@ -178,7 +178,7 @@ def detach_cpp_reducer(ddp: Any) -> None:
 
 def forward_sync_buffers(ddp: Any) -> bool:
     """Whether torch DDP broadcasts the module's buffers at each forward: its
-    ``forward_sync_buffers`` from torch 2.14 (where ``broadcast_buffers`` is a deprecated
+    ``forward_sync_buffers`` from torch 2.13 (where ``broadcast_buffers`` is a deprecated
     property over it), ``broadcast_buffers`` before."""
     sync = getattr(ddp, "forward_sync_buffers", None)
     return bool(ddp.broadcast_buffers if sync is None else sync)
