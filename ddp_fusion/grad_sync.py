@@ -738,6 +738,8 @@ class GradSync:
         if sync_grads is not None:
             state.require_backward_grad_sync = sync_grads
         traced = torch.compiler.is_compiling()
+        if traced:
+            _torch.dynamo.guard_requires_grad(p for _, p in self.frozen)
         _torch.dynamo.call_with_example_inputs(_on_forward, (self.model_id, traced), args, kwargs)
         if state.failed is not None:
             # raised where the forward runs, not inside Dynamo's trace (where it would

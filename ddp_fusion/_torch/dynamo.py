@@ -120,6 +120,26 @@ def _example_of(vt: Any) -> Any:
     raise TypeError(f"cannot give an example value for {type(vt).__name__}")
 
 
+# torch 2.11's Dynamo leaves a module parameter's requires_grad out of a compiled
+# forward's guards: switched on after the compile, the parameter keeps being treated as
+# frozen (no gradient) and nothing is traced again. 2.13 and later guard it.
+_UNGUARDED_REQUIRES_GRAD = ("2.11",)
+
+
+def guard_requires_grad(params: Any) -> None:
+    """Inside a forward Dynamo traces: make this frame's guards hold each of ``params``'
+    ``requires_grad`` where the torch release does not by itself (torch 2.11), so that
+    switching one makes the forward be traced again (and checked). Elsewhere nothing:
+    the parameters' own guards already hold it, at no cost per step."""
+    import torch
+
+    if ".".join(torch.__version__.split(".")[:2]) not in _UNGUARDED_REQUIRES_GRAD:
+        return
+    for p in params:
+        if p.requires_grad:  # read: a guard on the flag
+            return
+
+
 def concrete_int(x: Any) -> int:
     """An int, or the example value (hint) of a symbolic one, without adding a guard."""
     return x if isinstance(x, int) else int(x.node.hint)

@@ -19,6 +19,20 @@ REQUIRED = (
 
 UNCHECKED: dict[str, str] = {}
 
+# torch 2.11 and 2.12 parse TORCH_LOGS at ``import torch`` before they load the
+# ``torch.backends`` entry points (2.13 loads them first), so there ddp_fusion's names
+# are registered too late for TORCH_LOGS: ``ddp_fusion`` passes as a module's logger,
+# ``ddp_fusion_graphs`` is refused.
+_PARSED_BEFORE_ENTRY_POINTS = ("2.11", "2.12")
+
+
+def torch_logs_sees_entry_points() -> bool:
+    """Whether ``TORCH_LOGS`` at ``import torch`` knows the names ddp_fusion's entry point
+    registers (torch 2.13 and later)."""
+    import torch
+
+    return ".".join(torch.__version__.split(".")[:2]) not in _PARSED_BEFORE_ENTRY_POINTS
+
 
 def register(log_name: str, artifacts: dict[str, tuple[str, bool]]) -> None:
     """Register ``log_name`` (a logger name and its ``TORCH_LOGS`` setting) and
