@@ -273,8 +273,9 @@ def test_the_compiled_backward_leaves_checking_its_inputs_to_dynamos_guards():
     forward = [c for c in codes if "ddp_fusion" not in c]
     assert len(backward) == 1 and len(forward) == 1
     # an input's check names the input (torch 2.11: ``primals_1``; 2.12 on also ends
-    # with 'input'); an op output's, a buffer (2.14 checks those with assert_tensor_metadata)
-    checks = r"assert_(?:size_stride|tensor_metadata)\((\w+)"
+    # with 'input'; 2.14 checks inputs in groups, ``assert_size_stride_grouped((primals_3,
+    # ...``); an op output's, a buffer (2.14 checks those with assert_tensor_metadata)
+    checks = r"assert_(?:size_stride|tensor_metadata|size_stride_grouped)\(\(?(\w+)"
     assert [n for n in re.findall(checks, forward[0]) if not n.startswith("buf")]
     assert [n for n in re.findall(checks, backward[0]) if not n.startswith("buf")] == []
     assert [n for n in re.findall(checks, backward[0]) if n.startswith("buf")]  # ddp_fusion's ops
