@@ -94,6 +94,11 @@ class Choice:
     buckets_chosen: int
     measured_link: bool
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Choice:
+        """The inverse of ``dataclasses.asdict``."""
+        return cls(**{**d, "link": Link(**d["link"])})
+
     def describe(self) -> str:
         return (
             f"bucket caps {[round(c / MiB, 3) for c in self.limits]} MiB "

@@ -329,7 +329,12 @@ def _learn_ready_order(sync: GradSync, inputs: Any) -> None:
     same plan whichever ranks failed, and no rank leaves the others waiting."""
     mine = _learn_here(sync, inputs)
     host = sync.host
-    order, choice, why_order, why_caps = host.broadcast_object(mine) if host else mine
+    if host:
+        order, choice, why_order, why_caps = host.broadcast_json(
+            [mine[0], mine[1] and dataclasses.asdict(mine[1]), mine[2], mine[3]])
+        choice = choice and autocap.Choice.from_dict(choice)
+    else:
+        order, choice, why_order, why_caps = mine
     rank0 = host is None or host.rank == 0
 
     def whose(why: str | None) -> str:

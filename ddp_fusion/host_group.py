@@ -16,8 +16,8 @@ tensors, which the host reads directly (through numpy, never ``Tensor.item``):
   is a ring: ``2 (N - 1)`` steps). "Do all ranks hold h?" is ``max(h, -h)``: all agree
   exactly when both maxima give back h. A rank that takes no part in a decision (a
   joined rank) sends :data:`NEUTRAL`, which never wins.
-* :meth:`HostGroup.broadcast_object`: gloo's broadcast, a binomial tree
-  (``ceil(log2 N)`` rounds).
+* :meth:`HostGroup.broadcast_json`: gloo's broadcast, a binomial tree
+  (``ceil(log2 N)`` rounds), of JSON (never a pickle: bytes from another rank are data).
 * :meth:`HostGroup.report`: on an error path only, a description of what the ranks
   hold, through the default store: each rank writes one key, group rank 0 reads them all
   (one ``multi_get``) and writes the description, which every rank then reads. O(1)
@@ -72,7 +72,6 @@ import functools
 import ipaddress
 import json
 import os
-import pickle
 import queue
 import socket
 import struct
@@ -110,6 +109,10 @@ CONNECT_TIMEOUT_S = 10.0
 #: Seconds a rank waits for its exchange relay beyond the group's timeout: the relay
 #: times a silent peer out after the timeout, and its reason must reach the rank first.
 RELAY_GRACE_S = 2.0
+
+#: The most bytes :meth:`HostGroup.broadcast_json` moves (a ready order of a million
+#: parameters is about 7 MB).
+MAX_BROADCAST_BYTES = 64 << 20
 
 #: Seconds ``destroy_process_group`` waits for the threads of the host groups it ends.
 END_WAIT_S = 2.0
@@ -401,8 +404,11 @@ class HostGroup:
         top, neg_bottom = self.max([value, -value])
         return top == value and -neg_bottom == value
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Group rank ``src``'s ``obj`` (picklable), on every rank (blocks)."""
+    def broadcast_json(self, obj: Any, src: int = 0) -> Any:
+        """Group rank ``src``'s ``obj`` (made of what JSON holds: lists come back for
+        tuples), on every rank (blocks). The bytes another rank sends are data: JSON,
+        never unpickled, at most :data:`MAX_BROADCAST_BYTES`, checked before they are
+        received."""
         return self._submit(lambda pg: self._broadcast(pg, obj, src)).result()
 
     def report(self, topic: str, ticket: int, mine: str, describe: Callable[[dict[int, str]], str]) -> str:
@@ -463,14 +469,28 @@ class HostGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.timeout = self.timeout
-        data = pickle.dumps(obj) if self.rank == src else b""
-        length = torch.tensor([len(data)], dtype=torch.int64, device="cpu")  # host-side on purpose
+        data = json.dumps(obj).encode() if self.rank == src else b""
+        too_long = len(data) > MAX_BROADCAST_BYTES  # (the others learn it from the length, -1)
+        length = torch.tensor([-1 if too_long else len(data)], dtype=torch.int64,
+                              device="cpu")  # host-side on purpose
         pg.broadcast([length], opts).wait()
         n = int(length.numpy()[0])
-        payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src
+        if not 0 <= n <= MAX_BROADCAST_BYTES:
+            raise HostGroupError(
+                f"ddp_fusion: group rank {src} of process group {self.group_name!r} had "
+                f"{'more than ' + str(MAX_BROADCAST_BYTES) if n == -1 else n} bytes to broadcast "
+                f"to the other ranks (at most {MAX_BROADCAST_BYTES})")
+        payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src and n
                    else torch.empty(n, dtype=torch.uint8, device="cpu"))  # host-side on purpose
+        # (torch.frombuffer refuses an empty buffer; n == 0 never happens for JSON)
         pg.broadcast([payload], opts).wait()
-        return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+        if self.rank == src:
+            return json.loads(data)  # (what every other rank gets: tuples as lists)
+        try:
+            return json.loads(payload.numpy().tobytes())
+        except ValueError as e:
+            raise HostGroupError(f"ddp_fusion: group rank {src} of process group {self.group_name!r} "
+                                 f"broadcast bytes that are not JSON ({e})") from e
 
 
 class PairChannel:

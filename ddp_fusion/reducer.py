@@ -300,7 +300,7 @@ class EagerReducer:
         """Rebuild buckets from rank 0's ready order (once, after the first complete
         backward), so all ranks keep identical buckets."""
         host = host_group.of(self.group)  # host-side: no device, no current-device guess
-        self._build(host.broadcast_object(order) if host is not None else order)
+        self._build(host.broadcast_json(order) if host is not None else order)
         self.rebuilt = True
 
 

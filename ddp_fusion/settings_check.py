@@ -44,7 +44,7 @@ def check(host: HostGroup | None, who: str, when: str, settings: dict[str, Any])
     ticket = host.ticket()
     if host.agree(digest):
         return
-    rank0 = host.broadcast_object(text, src=0)
+    rank0 = host.broadcast_json(text, src=0)
     mine = "\n".join(differences(json.loads(text), json.loads(rank0)))
     raise SettingsMismatchError(
         host.report("settings", ticket, mine, lambda payloads: _describe(who, when, host, payloads))

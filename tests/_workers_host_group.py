@@ -237,3 +237,22 @@ def cannot_connect(rank, world_size):
         finally:
             del os.environ["GLOO_SOCKET_IFNAME"]
     return out
+
+
+def broadcast_json(rank, world_size):
+    """Group rank 0's object on both ranks, as JSON gives it back (tuples as lists);
+    over the cap (set on both ranks), a HostGroupError on both naming it, and the host
+    group still usable after."""
+    from ddp_fusion import host_group
+
+    host = host_group.of(dist.new_group([0, 1]))
+    out = {"got": host.broadcast_json((rank, [1.5, "x"], {"k": None}) if rank == 0 else None)}
+    cap, host_group.MAX_BROADCAST_BYTES = host_group.MAX_BROADCAST_BYTES, 16
+    try:
+        host.broadcast_json("x" * 100 if rank == 0 else None)
+    except host_group.HostGroupError as e:
+        out["over_cap"] = str(e)
+    finally:
+        host_group.MAX_BROADCAST_BYTES = cap
+    out["after"] = host.broadcast_json(rank)
+    return out

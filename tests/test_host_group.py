@@ -43,7 +43,7 @@ def test_settings_mismatch_keeps_its_header_when_rank_0_is_gone(rank1_alone, mon
     monkeypatch.setattr(host, "ticket", lambda: 1, raising=False)
     monkeypatch.setattr(host, "agree", lambda value: False, raising=False)
     rank0 = '{"algorithm": "concat", "bucket_cap_mb": 25}'
-    monkeypatch.setattr(host, "broadcast_object", lambda obj, src=0: rank0, raising=False)
+    monkeypatch.setattr(host, "broadcast_json", lambda obj, src=0: rank0, raising=False)
     with pytest.raises(settings_check.SettingsMismatchError) as e:
         settings_check.check(host, "the model", "at construction",
                              {"algorithm": "concat", "bucket_cap_mb": 5})

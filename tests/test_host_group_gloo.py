@@ -12,7 +12,7 @@ import pytest
 
 from ddp_fusion.launch import run_ranks
 
-from _workers_host_group import cannot_connect, regroup
+from _workers_host_group import broadcast_json, cannot_connect, regroup
 
 
 def _check(results, relays=0, compiled=False):
@@ -74,3 +74,13 @@ def test_a_host_group_that_cannot_connect_fails_on_every_rank_within_seconds():
         assert "group rank 1 (host" in message, message
         assert "interface nosuch0 from GLOO_SOCKET_IFNAME" in message, message
         assert out["lo"] == (out["lo"][0], None, None), out
+
+
+def test_broadcast_moves_json_never_a_pickle_and_refuses_past_its_cap():
+    """Bytes from another rank are data: group rank 0's object arrives as JSON gives it
+    back; a payload over the cap fails on both ranks, naming it, before anything is
+    received, and the next broadcast still pairs up."""
+    for r in run_ranks(broadcast_json, world_size=2, timeout=120):
+        assert r["got"] == [0, [1.5, "x"], {"k": None}], r
+        assert "more than 16 bytes to broadcast" in r["over_cap"] and "(at most 16)" in r["over_cap"], r
+        assert r["after"] == 0, r
