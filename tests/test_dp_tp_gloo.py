@@ -5,6 +5,7 @@ the DP group, and the pass leaves every TP all-reduce in place, with fixed caps 
 
 import pytest
 
+from ddp_fusion import _torch
 from ddp_fusion.launch import run_ranks
 
 from _workers import dp_tp_compare, dtensor_tp_compare
@@ -49,10 +50,11 @@ def test_dtensor_tp_compiled_and_fused_matches_full_model():
         assert r["max_diff"] < 1e-5, r
         assert r["same_grads"], r
         counters = r["ddp_fusion"]
-        # one fused all-reduce per bucket and graph the pass made (the step with new
-        # .grads and the one with kept .grads are two graphs on torch 2.13 and 2.14; 2.11's
-        # compiled autograd ran both from one, reducing in place, with the same result)
-        assert counters.get("fused_all_reduces", 0) == 4 * counters.get("graphs", 0), r
-        assert counters["plans_run"] >= 1, r
+        if _torch.minor_version() == "2.11":
+            # 2.11's compiled autograd ran both steps from one graph, reducing in place,
+            # with the same result: one fused all-reduce per bucket of the graphs made
+            assert counters.get("fused_all_reduces", 0) == 4 * counters.get("graphs", 0), r
+        else:
+            assert counters["graphs"] == 2 and counters["fused_all_reduces"] == 2 * 4, r
         assert not any(k.startswith("unfused") for k in counters), r
         assert counters["in place: one run"] > 0, r

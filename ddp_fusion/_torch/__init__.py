@@ -9,6 +9,8 @@
     logs.py               TORCH_LOGS names and artifacts, TORCH_TRACE artifacts
     patching.py           the one helper every process-wide change goes through, and
                           its undo (``Patches``; no private torch of its own)
+    release.py            which torch release this is (``minor_version``), for what
+                          differs between the releases of the tested window
 
 Everything these modules reach is underscore-prefixed upstream and has moved between
 releases. A torch upgrade that breaks ddp_fusion should break here, at its first use:
@@ -35,10 +37,11 @@ from typing import Any
 import torch
 
 from . import compiled_autograd, ddp, distributed, dynamo, inductor, logs, patching, tensors
+from .release import minor_version
 
 __all__ = [
-    "check_torch", "compiled_autograd", "ddp", "distributed", "dynamo", "inductor", "logs", "patching",
-    "tensors",
+    "check_torch", "compiled_autograd", "ddp", "distributed", "dynamo", "inductor", "logs", "minor_version",
+    "patching", "tensors",
 ]
 
 #: torch minor releases the whole test suite has passed with (.ci/torch_window.py), oldest
@@ -70,12 +73,6 @@ def resolve(dotted: str) -> Any:
 
 class UntestedTorchWarning(UserWarning):
     """ddp_fusion runs on a torch release outside its tested window."""
-
-
-def minor_version(version: str | None = None) -> str:
-    """``"2.14"`` for ``"2.14.1+cu130"`` (and for a pre-release of 2.14); torch's own
-    version by default."""
-    return ".".join(str(version or torch.__version__).split("+")[0].split(".")[:2])
 
 
 def in_tested_window(version: str | None = None) -> bool:

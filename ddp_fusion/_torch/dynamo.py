@@ -6,6 +6,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .release import minor_version
+
 REQUIRED = (
     "torch._dynamo.utils.counters",
     "torch._dynamo.utils.get_optimize_ddp_mode",
@@ -122,8 +124,8 @@ def _example_of(vt: Any) -> Any:
 
 # torch 2.11's Dynamo leaves a module parameter's requires_grad out of a compiled
 # forward's guards: switched on after the compile, the parameter keeps being treated as
-# frozen (no gradient) and nothing is traced again. 2.13 and later guard it.
-_UNGUARDED_REQUIRES_GRAD = ("2.11",)
+# frozen (no gradient) and nothing is traced again. 2.12 and later guard it.
+_GUARDS_REQUIRES_GRAD = minor_version() not in ("2.11",)
 
 
 def guard_requires_grad(params: Any) -> None:
@@ -131,9 +133,7 @@ def guard_requires_grad(params: Any) -> None:
     ``requires_grad`` where the torch release does not by itself (torch 2.11), so that
     switching one makes the forward be traced again (and checked). Elsewhere nothing:
     the parameters' own guards already hold it, at no cost per step."""
-    import torch
-
-    if ".".join(torch.__version__.split(".")[:2]) not in _UNGUARDED_REQUIRES_GRAD:
+    if _GUARDS_REQUIRES_GRAD:
         return
     for p in params:
         if p.requires_grad:  # read: a guard on the flag

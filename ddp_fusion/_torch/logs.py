@@ -8,6 +8,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .release import minor_version
+
 REQUIRED = (
     "torch._logging._internal.register_log",
     "torch._logging._internal.register_artifact",
@@ -23,15 +25,13 @@ UNCHECKED: dict[str, str] = {}
 # ``torch.backends`` entry points (2.13 loads them first), so there ddp_fusion's names
 # are registered too late for TORCH_LOGS: ``ddp_fusion`` passes as a module's logger,
 # ``ddp_fusion_graphs`` is refused.
-_PARSED_BEFORE_ENTRY_POINTS = ("2.11", "2.12")
+_PARSED_BEFORE_ENTRY_POINTS = minor_version() in ("2.11", "2.12")
 
 
 def torch_logs_sees_entry_points() -> bool:
     """Whether ``TORCH_LOGS`` at ``import torch`` knows the names ddp_fusion's entry point
     registers (torch 2.13 and later)."""
-    import torch
-
-    return ".".join(torch.__version__.split(".")[:2]) not in _PARSED_BEFORE_ENTRY_POINTS
+    return not _PARSED_BEFORE_ENTRY_POINTS
 
 
 def register(log_name: str, artifacts: dict[str, tuple[str, bool]]) -> None:
