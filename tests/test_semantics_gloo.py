@@ -5,9 +5,16 @@ under torch.compile), gradient accumulation, fp16 / bf16 gradient communication,
 
 import pytest
 
+from ddp_fusion import _torch
 from ddp_fusion.launch import run_ranks
 
 from _workers import reduce_dtype_bf16, training_semantics
+
+
+# torch 2.11 and 2.12's CPU code generator fuses a cast to fp16 into the fp32 math after
+# it without consulting emulate_precision_casts (2.13 does): a compiled fp16 comm_dtype
+# halves fp16-subnormal gradients before it rounds them, once (docs/limits.md)
+_ROUNDS_ONCE = _torch.minor_version() in ("2.11", "2.12")
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +61,24 @@ def test_comm_dtype_reduces_like_torch_compress_hook(results, data, dtype, mode)
     that dtype, and it differs from fp32 communication in more than 99 % of elements, so
     any other cast or order (or an ignored ``comm_dtype``) fails ``torch.equal``. Data:
     gradients whose halves are fp16 normals, or fp16 subnormals."""
+    rounds_once = _ROUNDS_ONCE and (data, dtype) == ("fp16_subnormal", "fp16") and mode != "uncompiled"
     for r in results:
         c = r["comm_dtype"]
         assert c["ref_is_oracle"][data] == {"fp16": True, "bf16": True, "fp32": True}
         assert c["frac_differ_from_fp32"][data][dtype] > 0.99, c["frac_differ_from_fp32"]
         assert c[mode][data]["fp32"]["equal"], c[mode][data]
-        assert c[mode][data][dtype]["equal"], c[mode][data]
+        if rounds_once:
+            # at most one fp16 subnormal step (2**-24) per rank's term, and not equal:
+            # when a release of the window rounds twice, this fails and says so
+            assert c[mode][data][dtype]["max_diff"] <= 2 * 2.0**-24, c[mode][data]
+            assert not c[mode][data][dtype]["equal"], "rounds as torch's hook now: drop _ROUNDS_ONCE"
+        else:
+            assert c[mode][data][dtype]["equal"], c[mode][data]
+    if rounds_once:
+        pytest.xfail(
+            f"torch {_torch.minor_version()}'s CPU code generator rounds a cast to fp16 "
+            "fused into the halving after it once, not twice (docs/limits.md)"
+        )
 
 
 @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
