@@ -60,7 +60,7 @@ from .passes import fuse_ddp_allreduces
 # The pass's behaviour is a function of these files and the config (read once).
 _SOURCES = tuple(str(p) for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
 # Settings that change what the pass does (the others change what runs around it).
-_PASS_SETTINGS = ("algorithm", "schedule_waits", "max_in_flight_mb", "dump_dir")
+_PASS_SETTINGS = ("algorithm", "schedule_waits", "max_in_flight_mb", "dump_dir", "plan_check")
 
 
 class FuseDDPAllReduces:

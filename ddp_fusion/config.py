@@ -93,6 +93,17 @@ class Config:
     the forward, e.g. ``{"mode": "max-autotune"}``. Env:
     ``DDP_FUSION_BACKWARD_COMPILE_KWARGS`` (JSON)."""
 
+    plan_check: bool = True
+    """Check at every compiled step, before a model's first bucket is issued, that every
+    rank of its group runs the same bucket plan (plan_check.py): ranks whose compiled
+    backwards differ then raise ``PlanMismatchError`` on every rank instead of hanging or
+    mixing gradients. It costs one small host-side exchange a step, in flight during
+    backward. False: no exchange; a divergence then hangs, or, where the sizes match,
+    reduces the wrong gradients together, and ``join()`` of a fused model is refused (a
+    joined rank learns the active ranks' plan from the check). Read by the pass at
+    compile time; compared across the ranks at construction and at the first forward.
+    Env: ``DDP_FUSION_PLAN_CHECK``."""
+
     native_check: bool = True
     """Run a steady step's plan check (and the host group's exchanges of two ranks, or
     to the exchange relay) in C++, built on first use with a C++ compiler and ninja
@@ -247,6 +258,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "link": _link,
     "dump_dir": _dump_dir,
     "backward_compile_kwargs": _compile_kwargs,
+    "plan_check": _bool,
     "native_check": _bool,
 }
 
@@ -310,6 +322,7 @@ ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "link": ("DDP_FUSION_LINK", _env_link),
     "dump_dir": ("DDP_FUSION_DUMP_DIR", lambda var, raw: raw),
     "backward_compile_kwargs": ("DDP_FUSION_BACKWARD_COMPILE_KWARGS", _env_compile_kwargs),
+    "plan_check": ("DDP_FUSION_PLAN_CHECK", _env_bool),
     "native_check": ("DDP_FUSION_NATIVE_CHECK", _env_bool),
 }
 

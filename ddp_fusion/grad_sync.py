@@ -568,6 +568,7 @@ class GradSync:
             "comm_dtype": str(comm_dtype).removeprefix("torch.") if comm_dtype else None,
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
+            "config.plan_check": config.plan_check,
             **(settings or {}),
         })
         if any(_torch.tensors.is_dtensor(p) for _, p in params):
@@ -712,6 +713,7 @@ class GradSync:
         return {
             "runs fused (compiled, with config.enabled)": compiled and config.enabled,
             "config.algorithm": config.algorithm if compiled and config.enabled else None,
+            "config.plan_check": config.plan_check if compiled and config.enabled else None,
             "comm hook": state.comm_hook,
             "comm_dtype": str(state.comm_dtype).removeprefix("torch.") if state.comm_dtype else None,
             "link (config.link)": config.link if self.auto else None,

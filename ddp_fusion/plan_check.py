@@ -93,6 +93,8 @@ _lib.define("plan_check_start(str group_name, str plan, int plan_hash, Device de
 _lib.define("plan_guard(Tensor token, str group_name, int plan_hash, str reduce_op, Device device) -> Tensor",
             tags=CUDAGRAPH_UNSAFE)
 _lib.define("plan_divisor(str group_name, str reduce_op, Device device) -> Tensor", tags=CUDAGRAPH_UNSAFE)
+_lib.define("plan_start(str group_name, str plan, int plan_hash, Device device, str reduce_op=\"avg\") "
+            "-> Tensor", tags=CUDAGRAPH_UNSAFE)
 
 
 def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.device,
@@ -137,6 +139,32 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
 # (group name, plan hash) of the checks started the long way, which also ran the plan's
 # one-time work: later steps find the group and its host group with host_group.known
 _started: set[tuple[str, int]] = set()
+# (group name, plan hash) of the plans of graphs compiled without the check whose
+# one-time work ran (as _started)
+_unchecked: set[tuple[str, int]] = set()
+
+
+def plan_start(group_name: str, plan: str, plan_hash: int, device: torch.device,
+               reduce_op: str = "avg") -> torch.Tensor:
+    """:func:`plan_check_start` without the check, for graphs compiled with
+    ``config.plan_check`` off: the plan's one-time work (its text, its comm hooks'
+    groups, its log line) and the divisor for ``reduce_op``; posts no exchange. A
+    steady step finds the group with :func:`host_group.known`, as the check's start."""
+    comm_hooks.drop_in_flight()
+    known = host_group.known(group_name)
+    if known is None or (group_name, plan_hash) not in _unchecked:
+        group = _group(group_name)
+        if plan_hash not in _texts:
+            _texts[plan_hash] = from_graph_text(plan)
+        hook_groups(_texts[plan_hash], group, plan_hash)
+        _report_plan(group_name, _texts[plan_hash])
+        host_group.of(group)  # (made at the model's construction: known from now on)
+        _unchecked.add((group_name, plan_hash))
+    else:
+        group = known[0]
+        if _hook_groups[plan_hash]:
+            hook_groups(_texts[plan_hash], group, plan_hash)
+    return _divisor_tensor(group, reduce_op, device)
 
 
 def _known_group(group_name: str) -> dist.ProcessGroup:
@@ -267,6 +295,7 @@ def _empty_start_divisor(group_name: str, plan: str, plan_hash: int, device: tor
 
 
 for _name, _impl, _fake in (("plan_check_start", plan_check_start, _empty_start_divisor),
+                            ("plan_start", plan_start, _empty_start_divisor),
                             ("plan_guard", plan_guard, _empty_divisor),
                             ("plan_divisor", plan_divisor, _empty_divisor)):
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
@@ -310,11 +339,13 @@ def _divisor_tensor(group: dist.ProcessGroup, reduce_op: str, device: torch.devi
 PLAN_CHECK_START = torch.ops.ddp_fusion.plan_check_start.default
 PLAN_GUARD = torch.ops.ddp_fusion.plan_guard.default
 PLAN_DIVISOR = torch.ops.ddp_fusion.plan_divisor.default
+PLAN_START = torch.ops.ddp_fusion.plan_start.default
 # the check runs whether or not anything reads the guard's divisor (the pass gives it a
 # reader, a gradient with elements: this keeps FX and Inductor from dropping the check
 # as dead code should that reader go)
 torch.fx.node.has_side_effect(PLAN_CHECK_START)
 torch.fx.node.has_side_effect(PLAN_GUARD)
+torch.fx.node.has_side_effect(PLAN_START)
 
 
 #: Plans longer than this go into the graph compressed (:func:`graph_text`).

@@ -57,8 +57,14 @@ def settings_differ_at_construction(rank, world_size):
         "frozen weight (sizes shift)": lambda: wrapper(_frozen("a.weight") if rank == 1 else Net()),
         "frozen bias (equal sizes)": lambda: wrapper(_frozen("a.bias") if rank == 1 else Net()),
         "config.link with auto, torch DDP": lambda: _stock_auto_with_link(rank),
+        "config.plan_check": lambda: _with_plan_check(rank != 1, lambda: wrapper(Net())),
     }
     return {name: _timed(build) for name, build in cases.items()}
+
+
+def _with_plan_check(on, build):
+    with ddp_fusion.config.patch(plan_check=on):
+        build()
 
 
 def settings_differ_at_first_forward(rank, world_size):
@@ -81,7 +87,15 @@ def settings_differ_at_first_forward(rank, world_size):
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         model(torch.randn(4, 16)).sum().backward()
 
-    for name, build in {"config.algorithm, compiled": algorithm, "comm hook, uncompiled": hook}.items():
+    def plan_check():
+        torch._dynamo.reset()
+        with ddp_fusion.config.patch(enabled=True):
+            model = torch.compile(ddp_fusion.DistributedDataParallel(Net()))
+            _with_plan_check(rank != 1, lambda: model(torch.randn(4, 16)).sum().backward())
+
+    cases = {"config.algorithm, compiled": algorithm, "comm hook, uncompiled": hook,
+             "config.plan_check, compiled": plan_check}
+    for name, build in cases.items():
         out[name] = _timed(build)
     return out
 

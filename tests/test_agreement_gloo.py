@@ -27,10 +27,12 @@ CONSTRUCTION = {
     "frozen bias (equal sizes)": "parameter #1 is 'a.bias' (16,) float32 requires_grad=False "
                                  "(group rank 0: 'a.bias' (16,) float32)",
     "config.link with auto, torch DDP": "link (config.link) is [30.0, 12.5] (group rank 0: None)",
+    "config.plan_check": "config.plan_check is False (group rank 0: True)",
 }
 FIRST_FORWARD = {
     "config.algorithm, compiled": "config.algorithm is 'coalesced' (group rank 0: 'concat')",
     "comm hook, uncompiled": "comm hook is None (group rank 0: 'fp16_compress_hook')",
+    "config.plan_check, compiled": "config.plan_check is False (group rank 0: True)",
 }
 
 

@@ -125,6 +125,32 @@ def forward(self, x_1, w1_1, w2_1):
     alias_default_1 = torch.ops.aten.alias.default(bucket0_scale_checked);  bucket0_scale_checked = None
     return (alias_default_1, alias_default)""")
 
+    def test_no_plan_check(self):
+        """``config.plan_check`` off: a ``plan_start`` (the divisor, no exchange) and no
+        guard; every gradient is scaled by the start's divisor."""
+        gm = trace(small_backward, *inputs())
+        with ddp_fusion.config.patch(plan_check=False):
+            fuse(gm, algorithm="concat")
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, x_1, w1_1, w2_1):
+    plan_start_default = torch.ops.ddp_fusion.plan_start.default('0', '{"algorithm": "concat", "buckets": [{"group": "0", "dtype": "float32", "device": "cpu", "reduce_op": "avg", "algorithm": "concat", "bytes": 80, "num_grads": 2, "numels": [15, 5], "grads": ["w2", "w1"]}], "unfused": []}', 2860895155221077544, device(type='cpu'), 'avg')
+    mm = torch.ops.aten.mm.default(x_1, w1_1);  w1_1 = None
+    t = torch.ops.aten.t.default(mm)
+    mm_1 = torch.ops.aten.mm.default(t, x_1);  t = x_1 = None
+    mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
+    view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
+    div_tensor = torch.ops.aten.div.Tensor(view_default, plan_start_default);  view_default = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_start_default);  sum_1 = plan_start_default = None
+    bucket0_cat = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
+    bucket0_all_reduce = torch.ops.ddp_fusion.all_reduce_bucket.default(bucket0_cat, '0');  bucket0_all_reduce = None
+    bucket0_wait = torch.ops.ddp_fusion.wait_bucket.default([bucket0_cat]);  bucket0_wait = None
+    bucket0_split = torch.ops.aten.split_with_sizes.default(bucket0_cat, [15, 5]);  bucket0_cat = None
+    getitem = bucket0_split[0]
+    view_default_1 = torch.ops.aten.view.default(getitem, [5, 3]);  getitem = None
+    getitem_1 = bucket0_split[1];  bucket0_split = None
+    return (getitem_1, view_default_1)""")
+
     def test_kept_grads_are_reduced_in_place(self):
         """Issue 32: gradients accumulated into ``.grad``s that exist before the backward
         (the hooks copy the reduced gradient into them): each scaled gradient is written
@@ -970,11 +996,12 @@ def test_the_start_returns_its_reduce_ops_divisor_and_other_keys_get_a_divisor_o
         out = plan_check.PLAN_CHECK_START(group, plan, h, cpu, op)
         assert out.shape == () and out.dtype == torch.float32 and out.item() == want, (op, out)
         assert plan_check.PLAN_GUARD(out, group, h, op, cpu).item() == want
+        assert plan_check.PLAN_START(group, plan, h, cpu, op).item() == want  # (plan_check off)
     graph = torch.fx.Graph()
     graph.placeholder("x")
-    guards = insert_plan_guards(NodeMaker(graph), [(group, "avg", cpu), (group, "sum", cpu)], {group: plan})
+    guards, starts = insert_plan_guards(NodeMaker(graph), [(group, "avg", cpu), (group, "sum", cpu)], {group: plan})
     (start, avg_guard), (divisor, sum_guard) = guards[group, "avg", cpu], guards[group, "sum", cpu]
-    assert start.target is plan_check.PLAN_CHECK_START and start.args[-1] == "avg"
+    assert start.target is plan_check.PLAN_CHECK_START and start.args[-1] == "avg" and starts == {group: start}
     assert divisor.target is plan_check.PLAN_DIVISOR and divisor.args == (group, "sum", cpu)
     assert avg_guard.args[0] is start and sum_guard.args[0] is start
     assert len(graph.find_nodes(op="call_function", target=plan_check.PLAN_CHECK_START)) == 1

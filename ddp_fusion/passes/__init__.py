@@ -127,8 +127,9 @@ def fuse_ddp_allreduces(
     make = NodeMaker(graph)
     devices = {b.key.group_name: b.key.device for b in buckets}
     unfused_keys = [(u.group_name, u.reduce_op, _device_of(u, devices)) for u in checked]
-    guards = insert_plan_guards(
-        make, [(b.key.group_name, b.key.reduce_op, b.key.device) for b in buckets] + unfused_keys, plans
+    guards, starts = insert_plan_guards(
+        make, [(b.key.group_name, b.key.reduce_op, b.key.device) for b in buckets] + unfused_keys, plans,
+        check=config.plan_check,
     )
     hooked = _hook_groups(result.plan, plans)
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -167,7 +168,7 @@ def fuse_ddp_allreduces(
             fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label))
     new = {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs) if not g.is_absent}
     _replace_all(graph, new | {old: out for fb in fused for old, out in fb.replaced.items()})
-    absent.insert_fixups(make, fused, absent.insert_used_starts(make, buckets, guards))
+    absent.insert_fixups(make, fused, absent.insert_used_starts(make, buckets, starts))
     for u, key in zip(checked, unfused_keys):
         _check_unfused(make, u, guards[key][1])
     # A reader of an early gradient in a bucket may sit before the bucket's collective

@@ -33,7 +33,6 @@ import torch.fx
 from .. import unused
 from ._graph import NodeMaker
 from .bucketing import Bucket
-from .guard import Divisors
 from .schedule import FusedBucket
 
 
@@ -53,7 +52,8 @@ def materialize(make: NodeMaker, bucket: Bucket, after: torch.fx.Node, label: st
     return after
 
 
-def insert_used_starts(make: NodeMaker, buckets: list[Bucket], guards: Divisors) -> dict[int, torch.fx.Node]:
+def insert_used_starts(make: NodeMaker, buckets: list[Bucket], group_starts: dict[str, torch.fx.Node]
+                       ) -> dict[int, torch.fx.Node]:
     """Right after each group's plan check starts, one ``used_start`` per laid-out model
     (in the order of their first buckets, which every rank shares), with the parameters
     this graph has gradients for; returns model id -> its token."""
@@ -65,10 +65,9 @@ def insert_used_starts(make: NodeMaker, buckets: list[Bucket], guards: Divisors)
             present.setdefault(b.key.model_id, []).extend(
                 slots[g.ready_order].index for g in b.grads if not g.is_absent
             )
-            guard = guards[b.key.group_name, b.key.reduce_op, b.key.device][1]
-            starts.setdefault(b.key.model_id, guard.args[0])  # the group's plan_check_start
+            starts.setdefault(b.key.model_id, group_starts[b.key.group_name])  # its plan check's start
     tokens: dict[int, torch.fx.Node] = {}
-    last: dict[torch.fx.Node, torch.fx.Node] = {}  # plan_check_start -> the last node after it
+    last: dict[torch.fx.Node, torch.fx.Node] = {}  # the group's start -> the last node after it
     for model_id, start in starts.items():
         with make.graph.inserting_after(last.get(start, start)):
             args = (start, start.args[0], model_id, sorted(present[model_id]))

@@ -18,6 +18,10 @@ backward.
 Every run checks that every rank of the group runs the same plan; both divisors are read
 at run time (ddp_fusion/scaling.py): the graph holds no group size, so a cached or
 reused graph stays correct at another world size.
+
+With ``config.plan_check`` off, each group starts with a ``plan_start`` instead (the
+plan's one-time work and the divisor, no exchange) and there is no guard: every
+gradient is scaled by the divisor.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 import torch.fx
 
 from ..plan import BucketPlan
-from ..plan_check import PLAN_CHECK_START, PLAN_DIVISOR, PLAN_GUARD, graph_text, plan_hash
+from ..plan_check import PLAN_CHECK_START, PLAN_DIVISOR, PLAN_GUARD, PLAN_START, graph_text, plan_hash
 from ._graph import NodeMaker
 
 
@@ -41,14 +45,17 @@ def group_plans(plan: BucketPlan) -> dict[str, str]:
 Divisors = dict[tuple[str, str, torch.device], tuple[torch.fx.Node, torch.fx.Node]]
 
 
-def insert_plan_guards(make: NodeMaker, keys: list[tuple[str, str, torch.device]],
-                       plans: dict[str, str]) -> Divisors:
+def insert_plan_guards(
+    make: NodeMaker, keys: list[tuple[str, str, torch.device]], plans: dict[str, str], check: bool = True
+) -> tuple[Divisors, dict[str, torch.fx.Node]]:
     """At graph start, one ``plan_check_start`` per group; for each key (group name,
     reduce op, device) of a bucket or an unfused all-reduce, in order, the divisor node
     (no wait: the group's start for its first key, which returns that key's divisor, a
     ``plan_divisor`` for any other; one op call fewer per group and step) and the guard
     node (the checked divisor, to be moved before its first user by ``place_guards``).
-    ``plans``: each group's plan (:func:`group_plans`)."""
+    ``plans``: each group's plan (:func:`group_plans`). ``check`` False: a
+    ``plan_start`` per group and no guard (the divisor stands in for it). Returns the
+    divisors and each group's start."""
     guards: Divisors = {}
     starts: dict[str, torch.fx.Node] = {}
     placeholders = make.graph.find_nodes(op="placeholder")
@@ -60,12 +67,15 @@ def insert_plan_guards(make: NodeMaker, keys: list[tuple[str, str, torch.device]
             group, reduce_op, device = k
             h = plan_hash(plans[group])  # (the ops key their state by it, never hash the text)
             if group not in starts:
-                divisor = starts[group] = make(
-                    PLAN_CHECK_START, (group, graph_text(plans[group]), h, device, reduce_op))
+                start = PLAN_CHECK_START if check else PLAN_START
+                divisor = starts[group] = make(start, (group, graph_text(plans[group]), h, device, reduce_op))
             else:
                 divisor = make(PLAN_DIVISOR, (group, reduce_op, device))
-            guards[k] = (divisor, make(PLAN_GUARD, (starts[group], group, h, reduce_op, device)))
-    return guards
+            if check:
+                guards[k] = (divisor, make(PLAN_GUARD, (starts[group], group, h, reduce_op, device)))
+            else:
+                guards[k] = (divisor, divisor)
+    return guards, starts
 
 
 def place_guards(graph: torch.fx.Graph, guards: list[torch.fx.Node]) -> None:
@@ -75,5 +85,7 @@ def place_guards(graph: torch.fx.Graph, guards: list[torch.fx.Node]) -> None:
     start until the slowest rank gets there."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     for guard in guards:
+        if guard.target is not PLAN_GUARD:  # (the divisor: no check)
+            continue
         first = min(guard.users, key=order.__getitem__)
         first.prepend(guard)
