@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from . import _torch, dump, effects, grad_sync, plan, stock, unused
+from . import _torch, dump, effects, grad_sync, plan, plan_check, stock, unused
 from . import config as config_module
 from .config import config
 from .log import log
@@ -77,6 +77,9 @@ class FuseDDPAllReduces:
         layouts = unused.cache_key()  # find_unused_parameters models' layouts, which the pass reads
         if layouts is not None:
             settings["find_unused_parameters layouts"] = layouts
+        agreed = plan_check.cache_key()  # config.plan_check as each group's ranks agreed on it
+        if agreed is not None:
+            settings["plan_check agreed"] = agreed
         orders = plan.element_orders_key()  # parameters not contiguous (plan.py, "Element order")
         if orders is not None:
             settings["element orders"] = orders

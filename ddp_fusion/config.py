@@ -98,11 +98,12 @@ class Config:
     rank of its group runs the same bucket plan (plan_check.py): ranks whose compiled
     backwards differ then raise ``PlanMismatchError`` on every rank instead of hanging or
     mixing gradients. It costs one small host-side exchange a step, in flight during
-    backward. False: no exchange; a divergence then hangs, or, where the sizes match,
-    reduces the wrong gradients together, and ``join()`` of a fused model is refused (a
-    joined rank learns the active ranks' plan from the check). Read by the pass at
-    compile time; compared across the ranks at construction and at the first forward.
-    Env: ``DDP_FUSION_PLAN_CHECK``."""
+    backward. False: no such exchange (a divergence then hangs, or, where the sizes
+    match, reduces the wrong gradients together); ``find_unused_parameters`` models
+    still exchange their used parameters, and the check still runs inside an enabled
+    ``join()`` context. Compared across the ranks at construction and at the first
+    forward; the pass gives a group's graphs the value its ranks agreed on then. Env:
+    ``DDP_FUSION_PLAN_CHECK``."""
 
     native_check: bool = True
     """Run a steady step's plan check (and the host group's exchanges of two ranks, or

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _torch, autocap, comm_hooks, effects, host_group, join, ready_order, settings_check, unused
+from . import _torch, autocap, comm_hooks, effects, host_group, join, plan_check, ready_order, settings_check
+from . import unused
 from .config import config
 from .log import log
 from .ops import ALL_REDUCE_GRADIENT, HOOK, READY_NOT_LEARNED, READY_UNKNOWN, forget_runs
@@ -284,6 +285,8 @@ def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
     if not state.settings_checked:
         state.settings_checked = True
         settings_check.check(sync.host, sync.who, "at their first forward", sync.forward_settings(compiled))
+        if compiled and config.enabled:
+            plan_check.agree(sync.group, config.plan_check)  # what the pass gives its graphs
     if not compiled:
         return  # eager: the eager reducer (no compile the user did not ask for)
     if not config.enabled:
@@ -568,7 +571,7 @@ class GradSync:
             "comm_dtype": str(comm_dtype).removeprefix("torch.") if comm_dtype else None,
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
-            "config.plan_check": config.plan_check,
+            "config.plan_check": config.plan_check if config.enabled else None,
             **(settings or {}),
         })
         if any(_torch.tensors.is_dtensor(p) for _, p in params):

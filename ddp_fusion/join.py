@@ -114,13 +114,6 @@ class DDPJoinHook(JoinHook):
                 "join(): divide_by_initial_world_size must be True or False, got "
                 f"{divide_by_initial_world_size!r}"
             )
-        if config.enabled and not config.plan_check:
-            # (every rank makes its hook when entering Join: every rank raises here)
-            raise ValueError(
-                "join(): ddp_fusion.config.plan_check is off (DDP_FUSION_PLAN_CHECK=0), and a "
-                "rank that has joined learns the bucket plan of the ranks still training from "
-                "the per-step plan check: turn plan_check on (on every rank) to use join()"
-            )
         self.sync = sync
         sync.state.join_divide_by_initial = divide_by_initial_world_size
         self.shadowed_steps = 0

@@ -30,6 +30,10 @@ JSON (``BucketPlan.of_group(...).to_json()``). A joined rank (join.py) takes par
 same exchange sending ``host_group.NEUTRAL``, learns the active ranks' plan hash from
 it, and reads the plan from the store, where one rank (the first to claim it) publishes
 each plan the first time it is run.
+
+``config.plan_check`` off: the graphs start each group with ``ddp_fusion::plan_start``
+instead, the same one-time work and divisor without the exchange, and have no guard
+(inside an enabled join context it runs the check, start and guard, at once).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import base64
 import functools
 import hashlib
 import logging
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 
@@ -140,28 +145,82 @@ def plan_check_start(group_name: str, plan: str, plan_hash: int, device: torch.d
 # one-time work: later steps find the group and its host group with host_group.known
 _started: set[tuple[str, int]] = set()
 # (group name, plan hash) of the plans of graphs compiled without the check whose
-# one-time work ran (as _started)
+# one-time work ran
 _unchecked: set[tuple[str, int]] = set()
+# group name -> (the group, config.plan_check as its ranks compared it at a model's first
+# forward, grad_sync.py): what the pass compiles the group's graphs with
+_agreed: dict[str, tuple[weakref.ref, bool]] = {}
+
+
+def agree(group: dist.ProcessGroup, value: bool) -> None:
+    """Record ``config.plan_check`` as the ranks of ``group`` agreed on it."""
+    _agreed[group.group_name] = (weakref.ref(group), value)
+
+
+def _agreed_value(group_name: str) -> bool | None:
+    """The value agreed for the live group of that name (None: none, or one agreed for a
+    group since destroyed or replaced under its name)."""
+    entry = _agreed.get(group_name)
+    if entry is None:
+        return None
+    group = entry[0]()
+    if group is None or group is not _torch.distributed.resolve_process_group(group_name):
+        del _agreed[group_name]
+        return None
+    return entry[1]
+
+
+def checks(group_name: str) -> bool:
+    """Whether the pass gives ``group_name``'s graphs the check: the value its ranks
+    agreed on at a model's first forward (``config.plan_check`` changed on some rank
+    since would make the ranks' graphs differ: it is then ignored, with a warning), else
+    ``config.plan_check``."""
+    agreed = _agreed_value(group_name)
+    if agreed is None:
+        return config.plan_check
+    if agreed != config.plan_check and group_name not in _warned_changed:
+        _warned_changed.add(group_name)
+        log.warning(
+            "ddp_fusion: config.plan_check is %s now, but the ranks of process group %r agreed on "
+            "%s at their model's first forward: its graphs keep %s (a setting that decides which "
+            "exchanges a rank posts must change on every rank at once: set it before the first "
+            "forward)", config.plan_check, group_name, agreed, agreed)
+    return agreed
+
+
+_warned_changed: set[str] = set()
+
+
+def cache_key() -> list[tuple[str, bool]] | None:
+    """What ``checks`` depends on beyond ``config.plan_check``, for the pass's key in
+    Inductor's FX graph cache."""
+    live = {name: _agreed_value(name) for name in list(_agreed)}
+    return sorted((name, v) for name, v in live.items() if v is not None) or None
 
 
 def plan_start(group_name: str, plan: str, plan_hash: int, device: torch.device,
                reduce_op: str = "avg") -> torch.Tensor:
     """:func:`plan_check_start` without the check, for graphs compiled with
     ``config.plan_check`` off: the plan's one-time work (its text, its comm hooks'
-    groups, its log line) and the divisor for ``reduce_op``; posts no exchange. A
-    steady step finds the group with :func:`host_group.known`, as the check's start."""
+    groups, its log line) and the divisor for ``reduce_op``; posts no exchange, but
+    inside an enabled join context, where a joined rank learns the plan from the check
+    (join.py), it runs the check at once (start and guard, waiting here)."""
+    if scaling.joining(group_name):
+        token = plan_check_start(group_name, plan, plan_hash, device, reduce_op)
+        return plan_guard(token, group_name, plan_hash, reduce_op, device)
     comm_hooks.drop_in_flight()
-    known = host_group.known(group_name)
-    if known is None or (group_name, plan_hash) not in _unchecked:
+    key = (group_name, plan_hash)
+    if key not in _unchecked:
         group = _group(group_name)
         if plan_hash not in _texts:
             _texts[plan_hash] = from_graph_text(plan)
         hook_groups(_texts[plan_hash], group, plan_hash)
-        _report_plan(group_name, _texts[plan_hash])
-        host_group.of(group)  # (made at the model's construction: known from now on)
-        _unchecked.add((group_name, plan_hash))
+        if key not in _reported:
+            _reported.add(key)
+            _report_plan(group_name, _texts[plan_hash])
+        _unchecked.add(key)
     else:
-        group = known[0]
+        group = _known_group(group_name)
         if _hook_groups[plan_hash]:
             hook_groups(_texts[plan_hash], group, plan_hash)
     return _divisor_tensor(group, reduce_op, device)

@@ -24,6 +24,12 @@ def divisor(group: dist.ProcessGroup) -> int | torch.Tensor:
     return _divisors.get(group.group_name, group.size())
 
 
+def joining(group_name: str) -> bool:
+    """Whether an enabled join context has set the divisor of group ``group_name``'s
+    step (join.py: from an active rank's first forward in it until every rank joined)."""
+    return group_name in _divisors
+
+
 def set_divisor(group: dist.ProcessGroup, value: int | torch.Tensor | None) -> None:
     """Set (None: clear) the divisor of ``group``'s ``avg`` buckets. One per group: two
     models on one group inside join contexts with different

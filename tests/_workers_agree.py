@@ -57,13 +57,13 @@ def settings_differ_at_construction(rank, world_size):
         "frozen weight (sizes shift)": lambda: wrapper(_frozen("a.weight") if rank == 1 else Net()),
         "frozen bias (equal sizes)": lambda: wrapper(_frozen("a.bias") if rank == 1 else Net()),
         "config.link with auto, torch DDP": lambda: _stock_auto_with_link(rank),
-        "config.plan_check": lambda: _with_plan_check(rank != 1, lambda: wrapper(Net())),
+        "config.plan_check": lambda: _with_plan_check(rank != 1, lambda: wrapper(Net()), enabled=True),
     }
     return {name: _timed(build) for name, build in cases.items()}
 
 
-def _with_plan_check(on, build):
-    with ddp_fusion.config.patch(plan_check=on):
+def _with_plan_check(on, build, **settings):
+    with ddp_fusion.config.patch(plan_check=on, **settings):
         build()
 
 

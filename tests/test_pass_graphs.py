@@ -128,8 +128,13 @@ def forward(self, x_1, w1_1, w2_1):
     def test_no_plan_check(self):
         """``config.plan_check`` off: a ``plan_start`` (the divisor, no exchange) and no
         guard; every gradient is scaled by the start's divisor."""
+        from unittest import mock
+
+        from ddp_fusion import plan_check
+
         gm = trace(small_backward, *inputs())
-        with ddp_fusion.config.patch(plan_check=False):
+        # (no value agreed by an earlier test's model on this group, which would win)
+        with ddp_fusion.config.patch(plan_check=False), mock.patch.object(plan_check, "_agreed", {}):
             fuse(gm, algorithm="concat")
         self.assertExpectedInline(gm.code.strip(), """\
 def forward(self, x_1, w1_1, w2_1):
@@ -1080,3 +1085,28 @@ def test_a_gradient_sits_in_its_bucket_in_its_parameters_layout(algorithm):
     finally:
         plan.forget_element_orders(model_id, orders)
     assert _install.THE_PASS.uuid() == before
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_plan_check_keeps_the_value_its_ranks_agreed_on(caplog, monkeypatch):
+    """``config.plan_check`` changed after a model's first forward (where the ranks
+    compared it) would make this rank's graphs differ from the others': the pass keeps
+    the agreed value for the group and warns once; the pass's cache key carries it."""
+    from ddp_fusion import _install, plan_check
+
+    monkeypatch.setattr(plan_check, "_agreed", {})
+    monkeypatch.setattr(plan_check, "_warned_changed", set())
+    key_before = _install.THE_PASS.uuid()
+    plan_check.agree(dist.group.WORLD, True)
+    assert _install.THE_PASS.uuid() != key_before
+    with ddp_fusion.config.patch(plan_check=False):
+        for _ in range(2):
+            gm = trace(small_backward, *inputs())
+            fuse(gm)
+            FileCheck().check("plan_check_start").check("plan_guard").check("all_reduce_bucket").run(gm.code)
+    changed = [r for r in caplog.records if "config.plan_check is False now" in r.getMessage()]
+    assert len(changed) == 1 and "agreed on True" in changed[0].getMessage(), caplog.text
+    plan_check.agree(dist.group.WORLD, False)  # agreed off: no check, whatever config says now
+    gm = trace(small_backward, *inputs())
+    fuse(gm)
+    FileCheck().check("plan_start").check_not("plan_guard").run(gm.code)

@@ -129,7 +129,7 @@ def fuse_ddp_allreduces(
     unfused_keys = [(u.group_name, u.reduce_op, _device_of(u, devices)) for u in checked]
     guards, starts = insert_plan_guards(
         make, [(b.key.group_name, b.key.reduce_op, b.key.device) for b in buckets] + unfused_keys, plans,
-        check=config.plan_check,
+        checks=plan_check.checks,
     )
     hooked = _hook_groups(result.plan, plans)
     order = {node: i for i, node in enumerate(graph.nodes)}

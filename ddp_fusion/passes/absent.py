@@ -15,6 +15,8 @@ step: the plan, which says which models are laid out, is the same on every rank)
 
     used_start = ddp_fusion.used_start(plan_check_start, '0', model, [0, 1, 3, ...])
 
+(after its ``plan_start`` where the check is off, guard.py)
+
 and, where this rank's graph lacks some of the model's parameters, at its end (after
 the buckets' waits, which schedule.py puts there anyway)::
 

@@ -26,6 +26,8 @@ gradient is scaled by the divisor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx
 
@@ -46,16 +48,17 @@ Divisors = dict[tuple[str, str, torch.device], tuple[torch.fx.Node, torch.fx.Nod
 
 
 def insert_plan_guards(
-    make: NodeMaker, keys: list[tuple[str, str, torch.device]], plans: dict[str, str], check: bool = True
+    make: NodeMaker, keys: list[tuple[str, str, torch.device]], plans: dict[str, str],
+    checks: Callable[[str], bool] = lambda group: True,
 ) -> tuple[Divisors, dict[str, torch.fx.Node]]:
     """At graph start, one ``plan_check_start`` per group; for each key (group name,
     reduce op, device) of a bucket or an unfused all-reduce, in order, the divisor node
     (no wait: the group's start for its first key, which returns that key's divisor, a
     ``plan_divisor`` for any other; one op call fewer per group and step) and the guard
     node (the checked divisor, to be moved before its first user by ``place_guards``).
-    ``plans``: each group's plan (:func:`group_plans`). ``check`` False: a
-    ``plan_start`` per group and no guard (the divisor stands in for it). Returns the
-    divisors and each group's start."""
+    ``plans``: each group's plan (:func:`group_plans`). A group for which ``checks``
+    is False (``config.plan_check`` off, ``plan_check.checks``): a ``plan_start`` and no
+    guard (the divisor stands in for it). Returns the divisors and each group's start."""
     guards: Divisors = {}
     starts: dict[str, torch.fx.Node] = {}
     placeholders = make.graph.find_nodes(op="placeholder")
@@ -66,6 +69,7 @@ def insert_plan_guards(
                 continue
             group, reduce_op, device = k
             h = plan_hash(plans[group])  # (the ops key their state by it, never hash the text)
+            check = checks(group)
             if group not in starts:
                 start = PLAN_CHECK_START if check else PLAN_START
                 divisor = starts[group] = make(start, (group, graph_text(plans[group]), h, device, reduce_op))
