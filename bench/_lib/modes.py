@@ -150,18 +150,21 @@ class UpstreamOverlapScheduling(UpstreamPythonReducer):
 
 class DDPFusion(Mode):
     """``torch.compile(ddp_fusion.DistributedDataParallel(...))`` with ``algorithm``, a
-    communication dtype, an in-flight budget (``max_in_flight_mb``), and
-    ``bucket_cap_mb="auto"`` (``auto``: the job's cap is ignored)."""
+    communication dtype, an in-flight budget (``max_in_flight_mb``),
+    ``bucket_cap_mb="auto"`` (``auto``: the job's cap is ignored), and without the
+    per-step plan check (``plan_check=False``: ``_nocheck``)."""
 
     def __init__(self, algorithm: str, comm_dtype: torch.dtype | None = None,
-                 max_in_flight_mb: float | None = None, auto: bool = False) -> None:
+                 max_in_flight_mb: float | None = None, auto: bool = False, plan_check: bool = True) -> None:
         self.algorithm = algorithm
         self.comm_dtype = comm_dtype
         self.max_in_flight_mb = max_in_flight_mb
         self.auto = self.sized_for_link = auto
+        self.plan_check = plan_check
         suffix = f"_{_short(comm_dtype)}" if comm_dtype else ""
         suffix += f"_inflight_{max_in_flight_mb:g}mb" if max_in_flight_mb else ""
         suffix += "_auto" if auto else ""
+        suffix += "" if plan_check else "_nocheck"
         self.name = f"ddp_fusion_{algorithm}{suffix}"
         # a low-precision wire changes the numbers: compare with eager DDP + the same
         # hook (fp16; torch's bf16 hook does not run on gloo: no reference)
@@ -170,7 +173,8 @@ class DDPFusion(Mode):
             self.reference = "eager_ddp_fp16_hook" if comm_dtype == torch.float16 else ""
 
     def context(self):
-        settings: dict[str, Any] = {"enabled": True, "algorithm": self.algorithm}
+        settings: dict[str, Any] = {"enabled": True, "algorithm": self.algorithm,
+                                    "plan_check": self.plan_check}
         if self.max_in_flight_mb:
             settings["max_in_flight_mb"] = self.max_in_flight_mb
         return ddp_fusion.config.patch(**settings)
@@ -316,6 +320,7 @@ def all_modes() -> dict[str, Mode]:
         DDPFusion("concat", torch.bfloat16),
         DDPFusion("coalesced", torch.float16),
         DDPFusion("concat", auto=True),
+        DDPFusion("concat", plan_check=False),
         DDPFusionStock(),
         DDPFusionUncompiled(),
         EagerDDPFp16Hook(),
