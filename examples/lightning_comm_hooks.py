@@ -14,14 +14,13 @@ subclass registers them the same way.
 
 import lightning  # noqa: F401  (before torch.compile: Lightning records compile settings)
 import torch
-from torch.profiler import profile
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
 import ddp_fusion
-from _common import dataset, finish, model, parse_args
+from _common import AllReduces, dataset, finish, model, parse_args
 
 HOOKS = {
     "fp16": lambda: {"ddp_comm_hook": default_hooks.fp16_compress_hook},
@@ -70,13 +69,12 @@ class CountLastStep(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.ddp = trainer.strategy.model  # the DDP (fit unwraps it when it ends)
         if trainer.global_step == self.steps - 1:
-            self.prof = profile()
-            self.prof.__enter__()
+            self.counting = AllReduces().__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.steps:
-            self.prof.__exit__(None, None, None)
-            self.collectives = sum(1 for e in self.prof.events() if e.name == "gloo:all_reduce")
+            self.counting.__exit__(None, None, None)
+            self.collectives = self.counting.count
 
 
 def main() -> None:

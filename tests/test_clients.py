@@ -14,11 +14,15 @@ import sys
 import pytest
 import torch
 
+from ddp_fusion import _torch
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _torchrun(script, mode, out, *extra):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the flight recorder on: the scripts count every all-reduce with it, a comm hook's
+    # too, which the profiler can miss (examples/_common.py, AllReduces)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", _torch.distributed.FLIGHT_RECORDER_ENV: "4096"}
     env.pop("DDP_FUSION", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "examples" / script), "--mode", mode, "--out", str(out), *extra]
