@@ -8,7 +8,6 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import profile
 
 BUCKET_CAP_MB = 0.03  # small, so the 4-layer model below has several buckets
 
@@ -44,39 +43,10 @@ def rank_batches(steps: int, batch: int = 8) -> list[torch.Tensor]:
     return [torch.randn(batch, 64, generator=gen) for _ in range(steps)]
 
 
-class AllReduces:
-    """Counts the all-reduces this process runs inside ``with AllReduces() as n: ...``
-    (then ``n.count``). Where c10d's flight recorder is on (``TORCH_FR_BUFFER_SIZE`` set
-    before the process group is made, as the tests do) it counts what the recorder saw:
-    every collective, issued from any thread. Else the profiler's events, which can miss
-    one that a comm hook issues, when gloo's thread ends its event after the span."""
-
-    def __enter__(self):
-        from ddp_fusion._torch import distributed
-
-        self.count = None
-        self._recorder = distributed if distributed.flight_recorder_on() else None
-        if self._recorder is not None:
-            self._seen = set()
-            self._recorder.collectives_since(self._seen)
-        else:
-            self._prof = profile()
-            self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._recorder is not None:
-            names = [name for name, _ in self._recorder.collectives_since(self._seen)]
-            self.count = sum(name.endswith(":all_reduce") for name in names)
-        else:
-            self._prof.__exit__(*exc)
-            names = [e.name for e in self._prof.events()]
-            self.count = sum(name in ("gloo:all_reduce", "nccl:all_reduce") for name in names)
-        return False
-
-
 def count_all_reduces(step) -> int:
     """All-reduces the process group ran during ``step()`` (gloo or NCCL)."""
+    from ddp_fusion._torch.distributed import AllReduces
+
     with AllReduces() as n:
         step()
     return n.count

@@ -20,7 +20,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
 import ddp_fusion
-from _common import AllReduces, dataset, finish, model, parse_args
+from ddp_fusion._torch.distributed import AllReduces
+from _common import dataset, finish, model, parse_args
 
 HOOKS = {
     "fp16": lambda: {"ddp_comm_hook": default_hooks.fp16_compress_hook},

@@ -1,11 +1,17 @@
 """Shared fixtures: a fake process group of 2 ranks for one-process graph tests."""
 
 import logging
+import os
 
 import pytest
 import torch.distributed as dist
 
 from ddp_fusion import _torch
+
+# c10d's flight recorder in every process group the tests make (ranks inherit the
+# environment): tests count collectives with it (``_torch.distributed.AllReduces``),
+# which sees those issued from any thread, where the profiler can miss one.
+os.environ.setdefault(_torch.distributed.FLIGHT_RECORDER_ENV, "4096")
 
 
 @pytest.fixture(scope="session")

@@ -270,3 +270,34 @@ def collectives_since(seen: set[tuple[str, int]]) -> list[tuple[str, str]]:
     new = [(key, name, pg) for key, name, pg in collectives_recorded() if key not in seen]
     seen.update(key for key, _, _ in new)
     return [(name, pg) for _, name, pg in new]
+
+
+class AllReduces:
+    """Counts the all-reduces this process runs inside ``with AllReduces() as n: ...``
+    (then ``n.count``), for tests and examples. Where the flight recorder is on
+    (:data:`FLIGHT_RECORDER_ENV` set before the process groups are made) it counts what
+    the recorder saw: every collective, issued from any thread. Else torch's profiler
+    events (gloo or NCCL), which can miss one issued by a comm hook or by eager DDP's
+    reducer when gloo's thread ends its event after the span."""
+
+    def __enter__(self) -> AllReduces:
+        self.count: int | None = None
+        self._seen: set[tuple[str, int]] | None = None
+        if flight_recorder_on():
+            self._seen = set()
+            collectives_since(self._seen)
+        else:
+            from torch.profiler import profile
+
+            self._prof = profile()
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._seen is not None:
+            names = [name for name, _ in collectives_since(self._seen)]
+        else:
+            self._prof.__exit__(*exc)
+            names = [e.name for e in self._prof.events()]
+        self.count = sum(name in ("gloo:all_reduce", "nccl:all_reduce") for name in names)
+        return False
