@@ -2,15 +2,15 @@
 
 Each fused backward graph has one plan check per process group: ``plan_check_start``
 at graph start starts the max of (h, -h) of the plan's hash over the host group
-(ddp_fusion/host_group.py: recursive doubling in each rank's exchange relay, a process
-of its own; two ranks: one message each way on their own TCP connection), and
+(ddp_fusion/host_group.py: recursive doubling over a gloo group's send and recv, run by a
+C++ thread of the host group's own), and
 ``plan_guard``, before the group's first bucket, collects it. This times the pair back to
 back on local gloo ranks (so nothing hides the exchange), next to the bare exchange and
 to the all-gather of one int64 per rank that the check used before, and prints
 microseconds per call (median and max over rounds of the slower rank's mean), and the
 exchange started, the GIL held 2 ms (as a host launching backward holds it), then
 collected: what of it needed this process's GIL waits past the 2 ms. With
-``--world-size 4`` the exchange takes two rounds instead of one, in the relays, and the
+``--world-size 4`` the exchange takes two rounds instead of one, and the
 MLP step runs on 4 ranks too (on 2 cores the four ranks share them: an upper bound).
 
 A steady step's check runs in the plan ops' C++ kernels (csrc/host_check.cpp) where the

@@ -1,16 +1,19 @@
-"""The C++ part of the per-step plan check (``csrc/host_check.cpp``), built on first use.
+"""The C++ part of the host group and the per-step plan check (``csrc/host_check.cpp``),
+built on first use.
 
 A steady step's plan check, written in Python, cost about 7 % of a small model's step on
 2 gloo ranks: two Python ops entered cold between Inductor's kernels, and their work
-(bench/results/plan_check_price_cpu_2026-11-28.md). The extension holds the host group's
-two-rank (or relay) connection, which the Python exchanges use too, and kernels of the
-plan ops for a plan already checked once, which run no Python (plan_check.py).
+(bench/results/plan_check_price_cpu_2026-11-28.md); and the rounds of a host group's
+max, run by a Python thread, would wait for the GIL that backward holds. The extension
+runs each host group's max on a C++ thread of its own over the host gloo group (which
+the Python exchanges post to as well), and kernels of the plan ops for a plan already
+checked once, which run no Python (plan_check.py).
 
 It is built with ``torch.utils.cpp_extension.load`` the first time a process needs it:
 a C++ compiler and ``ninja`` (a dependency); about 25 s the first time on a machine,
 then loaded from torch's extension cache (``TORCH_EXTENSIONS_DIR``). Where it cannot be
 built, or ``ddp_fusion.config.native_check`` is False, the same exchanges run in Python,
-with the same frames on the wire: ranks with and without it work together.
+with the same messages: ranks with and without it work together.
 
 The build has a directory of its own for each torch build, Python and source
 (``ddp_fusion_host_check_<hash>`` under the cache's root), so no process loads a module

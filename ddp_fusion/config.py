@@ -106,10 +106,10 @@ class Config:
     ``DDP_FUSION_PLAN_CHECK``."""
 
     native_check: bool = True
-    """Run a steady step's plan check (and the host group's exchanges of two ranks, or
-    to the exchange relay) in C++, built on first use with a C++ compiler and ninja
+    """Run a steady step's plan check (and the rounds of the host group's exchanges, on
+    a thread that never needs the GIL) in C++, built on first use with a C++ compiler and ninja
     (``ddp_fusion/_native.py``); where it cannot be built, a warning says why and the
-    Python code runs, with the same messages on the wire (ranks may differ in this).
+    Python code runs, with the same messages (ranks may differ in this).
     False: always the Python code. Read when a host group is made (the model's
     construction) and when a plan's check passes in Python; turning it off takes the C++
     kernels back at once. Env: ``DDP_FUSION_NATIVE_CHECK``."""

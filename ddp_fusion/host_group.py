@@ -10,12 +10,11 @@ through a :class:`HostGroup`, a gloo group of the same ranks that only ever move
 tensors, which the host reads directly (through numpy, never ``Tensor.item``):
 
 * :meth:`HostGroup.max_async` / :meth:`~HostGroup.max`: the element-wise max of a few
-  int64 over the ranks, by recursive doubling on point-to-point messages (not gloo's:
-  the pair's own connection, or exchange relays; below):
-  ``ceil(log2 N)`` rounds, plus two when N is not a power of two (gloo's own all-reduce
-  is a ring: ``2 (N - 1)`` steps). "Do all ranks hold h?" is ``max(h, -h)``: all agree
-  exactly when both maxima give back h. A rank that takes no part in a decision (a
-  joined rank) sends :data:`NEUTRAL`, which never wins.
+  int64 over the ranks, by recursive doubling on the gloo group's point-to-point
+  ``send`` and ``recv``: ``ceil(log2 N)`` rounds, plus two when N is not a power of two
+  (gloo's own all-reduce is a ring: ``2 (N - 1)`` steps). "Do all ranks hold h?" is
+  ``max(h, -h)``: all agree exactly when both maxima give back h. A rank that takes no
+  part in a decision (a joined rank) sends :data:`NEUTRAL`, which never wins.
 * :meth:`HostGroup.broadcast_json`: gloo's broadcast, a binomial tree
   (``ceil(log2 N)`` rounds), of JSON (never a pickle: bytes from another rank are data).
 * :meth:`HostGroup.report`: on an error path only, a description of what the ranks
@@ -25,20 +24,17 @@ tensors, which the host reads directly (through numpy, never ``Tensor.item``):
 
 Exchanges run in the order they were asked for, which is the same on every rank, so a
 caller can start one and collect it later (the plan check starts at the beginning of
-backward and waits where the first bucket is issued). The max never runs on a thread of
-this process, whose Python would need the GIL between rounds while the main thread runs
-backward (each round would then wait up to Python's switch interval, 5 ms). Over two
-ranks it is one message each way on a TCP connection of the pair's own
-(:class:`PairChannel`): sent by the caller, carried by the kernel, read when collected.
-Over more, each rank has an *exchange relay* (``_relay.py``), a small process of its
-own (standard library only) connected to its peers' relays: the caller sends its values
-to it and reads the max back, on the same kind of channel, and the relays run the rounds
-with their own interpreters. A peer that never comes fails the exchange after the model
-group's timeout; one whose process ended fails it at once; a failed exchange fails on
-every rank with the same reason (the relays pass it on), and ends the relays. Other
-exchanges (the broadcast, the connection check) run on the gloo group's thread. The
-relays are set up with the host group, collectively: a rank whose relay cannot start or
-connect says so in the store, and every rank raises :class:`HostGroupError` naming it.
+backward and waits where the first bucket is issued). The max's rounds run on a C++
+thread of the host group's own (``csrc/host_check.cpp``'s ``Exchanger``, built by
+``_native.py``), which never takes the GIL: on a thread of this process's Python, each
+round would wait for the GIL, which the main thread holds while it runs backward (up
+to Python's switch interval, 5 ms, a round). Where the C++ part is not built, the same
+rounds and messages run in Python on the group's thread (:meth:`HostGroup._max`), and
+ranks with and without it work together. A rank whose round fails (its peer's process
+ended, or it sent nothing within the model group's timeout) goes on with its other
+rounds carrying the failure, so every rank's exchange fails at once with the same
+reason, and every later exchange of the group fails with it. Nothing but gloo moves
+the bytes: no process, socket or protocol of ddp_fusion's own.
 
 The gloo group is made over the default store, under a prefix named after the model's
 group, and connects lazily, each rank only to the peers it exchanges with (``O(log N)``
@@ -50,18 +46,14 @@ by :data:`CONNECT_TIMEOUT_S`, not by the group's timeout. A rank that cannot mak
 end, or ranks that cannot connect (gloo listens on the address the host's name resolves
 to, unless ``GLOO_SOCKET_IFNAME`` names an interface: a name that resolves to
 127.0.1.1 cannot be reached from another node), raise :class:`HostGroupError` on every
-rank within seconds, naming the addresses and ``GLOO_SOCKET_IFNAME``. A group of two
-then makes its own connection the same way, bounded alike: group rank 0 listens where
-gloo does and says where in the store, rank 1 connects, and each names the group.
+rank within seconds, naming the addresses and ``GLOO_SOCKET_IFNAME``.
 
 A host group ends with its process group: when ``destroy_process_group`` unregisters
 the group (c10d's unregister functions are wrapped, through ``_torch.patching``, while
 any host group exists), when the group is garbage, or when a new group of the same name
-takes its place. Its thread stops after the exchanges already asked for, and the gloo
-group (its sockets and threads) goes with it, as do its relays (each sees its rank's end
-close and exits; a process forked from the rank, a DataLoader worker, closes its
-copies of the channels at once, and a relay whose rank's process has gone exits too);
-using it after that raises :class:`HostGroupError`.
+takes its place. Its threads stop (an exchange not yet run fails, saying so), and the
+gloo group (its sockets and threads) goes with them; using it after that raises
+:class:`HostGroupError`.
 """
 
 from __future__ import annotations
@@ -74,9 +66,6 @@ import json
 import os
 import queue
 import socket
-import struct
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -87,7 +76,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _native, _relay, _torch
+from . import _native, _torch
 from .config import config
 from .log import log
 
@@ -106,9 +95,18 @@ REPORT_TIMEOUT_S = 30.0
 #: end (at most the group's timeout).
 CONNECT_TIMEOUT_S = 10.0
 
-#: Seconds a rank waits for its exchange relay beyond the group's timeout: the relay
-#: times a silent peer out after the timeout, and its reason must reach the rank first.
-RELAY_GRACE_S = 2.0
+#: Seconds each round of a max may wait beyond the one before it: a rank whose earlier
+#: round timed out tells its later peers before they time out themselves.
+GRACE_S = 2.0
+
+#: A message of the max is ``[kind, origin, peer, count, values...]``: kind :data:`FINE`,
+#: or why the exchange failed at group rank ``origin`` (with ``peer``), then the number
+#: of values; gloo's tag is ``TAG_BASE + count``: ranks that ask for exchanges of
+#: different lengths never match each other's messages (gloo ends a process that
+#: receives a message longer than the buffer posted for it), and time out instead.
+TAG_BASE = 1 << 30
+HEADER = 4
+FINE, BROKEN, SILENT = range(3)
 
 #: The most bytes :meth:`HostGroup.broadcast_json` moves (a ready order of a million
 #: parameters is about 7 MB).
@@ -147,14 +145,17 @@ class HostGroup:
         self._lock = threading.Lock()
         self._ended: str | None = None
         connect_s = min(CONNECT_TIMEOUT_S, self.timeout.total_seconds())
-        if self.size > 1:
-            native()  # (built before the ranks connect, whose wait is bounded: 25 s the first time)
+        self._rounds = PythonRounds(self.rank, self.size)  # (where there is no C++ exchanger)
+        module = native() if self.size > 1 else None  # (built before the ranks connect)
         pg = self._make(connect_s)
-        # max_async's channel: to the peer (two ranks) or to this rank's relay (more)
-        self._channel: PairChannel | None = None
-        self._relay: subprocess.Popen | None = None
-        # The thread holds the only lasting reference to the gloo group: when it stops,
-        # the group (its sockets, its threads) goes.
+        # the C++ thread that runs the max's rounds (None: they run on the thread below)
+        self._exchanger: NativeExchanger | None = None
+        if module is not None:
+            self._exchanger = NativeExchanger(
+                module.Exchanger(pg, self.rank, self.size, self.timeout.total_seconds(), GRACE_S),
+                self.timeout)
+        # The thread and the exchanger hold the only lasting references to the gloo
+        # group: when both stop, the group (its sockets, its threads) goes.
         self._thread = threading.Thread(
             target=_serve, args=(self._jobs, pg),
             name=f"ddp_fusion host group {self.group_name}", daemon=True,
@@ -163,10 +164,6 @@ class HostGroup:
         self._thread.start()
         try:
             self._connect(connect_s)
-            if self.size == 2:
-                self._channel = self._pair_channel(connect_s)
-            elif self.size > 2:
-                self._channel = self._relay_channel(connect_s)
         except BaseException:
             self.end("it could not connect")
             raise
@@ -207,103 +204,20 @@ class HostGroup:
     def _connect(self, connect_s: float) -> None:
         """One exchange, which connects this rank to every peer it will exchange with;
         :class:`HostGroupError` if it does not complete within ``connect_s``."""
-        timeout = datetime.timedelta(seconds=connect_s)
-        exchange = self._submit(lambda pg: self._max(pg, np.zeros(1, dtype=np.int64), timeout))
+        exchange = self._max_async([0], datetime.timedelta(seconds=connect_s))
         try:
-            exchange.result(timeout=connect_s)
+            exchange.result(timeout=connect_s + GRACE_S * (len(peers(self.rank, self.size)) + 1))
             return
         except concurrent.futures.TimeoutError:
             why = f"no answer within {connect_s:g} s"
         except Exception as e:  # noqa: BLE001 - gloo's error, in the message
             why = f"{type(e).__name__}: {e}"
         store = _torch.distributed.default_store()
-        peers = [f"group rank {p} ({store.get(f'{self.prefix}/connect/where/{p}').decode()})"
-                 for p in _peers(self.rank, self.size)]
+        where = [f"group rank {p} ({store.get(f'{self.prefix}/connect/where/{p}').decode()})"
+                 for p in peers(self.rank, self.size)]
         raise HostGroupError(self._cannot(
             f"group rank {self.rank} ({_where()}) could not exchange with "
-            f"{', '.join(peers)} ({why})"))
-
-    def _pair_channel(self, connect_s: float) -> PairChannel:
-        """The TCP connection of a group of two (:class:`PairChannel`): group rank 0
-        listens where gloo does and says where in the store, rank 1 connects, and each
-        names the group to the other; within ``connect_s``, else :class:`HostGroupError`
-        on both ranks."""
-        store = _torch.distributed.default_store()
-        key, hello = f"{self.prefix}/pair", self.prefix
-        deadline = time.monotonic() + connect_s
-        try:
-            if self.rank == 0:
-                host = _listen_address()
-                family = socket.AF_INET6 if ":" in host else socket.AF_INET
-                with socket.create_server((host, 0), family=family) as server:
-                    store.set(key, f"{host}|{server.getsockname()[1]}")
-                    sock = _accept_peer(server, hello, deadline)
-            else:
-                store.wait([key], datetime.timedelta(seconds=connect_s))
-                host, port = store.get(key).decode().rsplit("|", 1)
-                sock = socket.create_connection((host, int(port)), timeout=connect_s)
-                _relay.send_text(sock, hello)
-                if _relay.read_text(sock, deadline) != hello:
-                    raise ConnectionError(f"{host}:{port} answered for another group")
-        except Exception as e:  # noqa: BLE001 - named in the error every rank raises
-            raise HostGroupError(self._cannot(
-                f"group rank {self.rank} ({_where()}) could not make the TCP connection of the "
-                f"two ranks' exchanges ({type(e).__name__}: {e})")) from e
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (a few bytes: now)
-        peer = f"group rank {1 - self.rank} of process group {self.group_name!r}"
-        return channel(sock, self.timeout, peer)
-
-    def _relay_channel(self, connect_s: float) -> PairChannel:
-        """The channel to this rank's exchange relay (``_relay.py``: a process of its
-        own that runs a larger group's rounds without this process's GIL), started and
-        connected to its peers' relays within ``connect_s``, else
-        :class:`HostGroupError`."""
-        store = _torch.distributed.default_store()
-        base = f"{self.prefix}/relay"
-        deadline = time.monotonic() + connect_s
-        peers = _peers(self.rank, self.size)
-        ctrl: socket.socket | None = None
-        failed: str | None = None
-        try:
-            try:
-                self._relay, ctrl, where = start_relay(self.rank, self.size, _listen_address(),
-                                                       self.timeout.total_seconds(), self.prefix, deadline)
-                store.set(f"{base}/{self.rank}", where)
-                keys = [f"{base}/{q}" for q in peers]
-                store.wait(keys, datetime.timedelta(seconds=max(1e-3, deadline - time.monotonic())))
-                connect_relay(ctrl, {q: store.get(k).decode() for q, k in zip(peers, keys)},
-                              max(1e-3, deadline - time.monotonic()))
-                answer = _relay.read_text(ctrl, deadline + 1.0)
-                failed = None if answer == "ok" else answer
-            except Exception as e:  # noqa: BLE001 - told to every rank, then raised
-                failed = f"{type(e).__name__}: {e}"
-            # Every rank hears of the first rank's failure (the cause; the others' may
-            # follow from it): a relay that connected may have peers whose others failed.
-            if failed is not None:
-                store.compare_set(f"{base}/failed", "", (
-                    f"group rank {self.rank} ({_where()}) could not start its exchange relay or "
-                    f"connect it to the relays of group ranks {_ranges(sorted(peers))}: {failed}"))
-            if store.add(f"{base}/arrived", 1) == self.size:
-                store.set(f"{base}/all", "1")
-            try:
-                left = max(1e-3, deadline + 2.0 - time.monotonic())
-                store.wait([f"{base}/all"], datetime.timedelta(seconds=left))
-            except Exception as e:
-                arrived = store.add(f"{base}/arrived", 0)
-                raise HostGroupError(self._cannot(
-                    f"only {arrived} of the {self.size} ranks' exchange relays were set up in time "
-                    f"(group rank {self.rank}'s: {failed or 'connected'})")) from e
-            if store.check([f"{base}/failed"]):
-                raise HostGroupError(self._cannot(store.get(f"{base}/failed").decode()))
-        except BaseException:
-            if ctrl is not None:
-                ctrl.close()
-            if self._relay is not None:
-                self._relay.kill()
-                self._relay.wait()
-            raise
-        return channel(ctrl, self.timeout + datetime.timedelta(seconds=RELAY_GRACE_S),
-                           f"the exchange relay of group rank {self.rank} (process {self._relay.pid})")
+            f"{', '.join(where)} ({why})"))
 
     def _cannot(self, what: str) -> str:
         return (
@@ -316,10 +230,10 @@ class HostGroup:
         )
 
     @property
-    def channel(self) -> PairChannel | None:
-        """The connection of :meth:`max_async` (to the peer of a group of two, or to this
-        rank's exchange relay); None for a group of one."""
-        return self._channel
+    def exchanger(self) -> NativeExchanger | None:
+        """The C++ thread that runs :meth:`max_async`'s rounds (None where the C++ part
+        is not built, or for a group of one)."""
+        return self._exchanger
 
     @property
     def ended(self) -> bool:
@@ -327,21 +241,17 @@ class HostGroup:
         return self._ended is not None
 
     def end(self, why: str, wait_s: float = 0.0) -> None:
-        """End the host group: no exchange can be asked for any more; the thread stops
-        after those asked for (waited for up to ``wait_s``), and the gloo group with it."""
+        """End the host group: no exchange can be asked for any more; one not yet run
+        fails, and the threads stop (waited for up to ``wait_s``), the gloo group with
+        them."""
         with self._lock:
             if self._ended is None:
                 self._ended = why
-                if self._channel is not None:
-                    self._channel.close()  # (the relay exits when it sees its end close)
                 self._jobs.put(None)
+        if self._exchanger is not None:
+            self._exchanger.close(wait_s)
         if wait_s > 0 and threading.current_thread() is not self._thread:
             self._thread.join(wait_s)
-        if self._relay is not None:
-            try:
-                self._relay.wait(wait_s)
-            except subprocess.TimeoutExpired:  # (still closing: reaped when it has)
-                threading.Thread(target=self._relay.wait, name="ddp_fusion relay reaper", daemon=True).start()
 
     def ranks(self, ranks: Sequence[int]) -> str:
         """Group ranks as a user reads them: ``0-3, 7``, with their global ranks
@@ -353,24 +263,27 @@ class HostGroup:
     def ticket(self) -> int:
         """Number the next exchange asked for (the same number on every rank, which ask
         for the same exchanges in the same order): names its :meth:`report`."""
-        if self._channel is not None:  # (which the C++ plan check numbers with too)
-            return self._channel.ticket()
+        if self._exchanger is not None:  # (which the C++ plan check numbers with too)
+            return self._exchanger.ticket()
         self._tickets += 1
         return self._tickets
 
     @property
     def tickets(self) -> int:
         """The tickets taken so far (:meth:`ticket`)."""
-        if self._channel is not None:
-            return self._channel.tickets
+        if self._exchanger is not None:
+            return self._exchanger.tickets
         return self._tickets
 
     def _submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(gloo group)`` on the group's thread."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._check_open()
-            self._jobs.put((fn, future))
+            return self._submit_locked(fn)
+
+    def _submit_locked(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, future))
         return future
 
     def _check_open(self) -> None:
@@ -383,17 +296,17 @@ class HostGroup:
 
     def max_async(self, values: Sequence[int]) -> Exchange:
         """Start the element-wise max of ``values`` (int64) over the ranks; its
-        ``.result()`` is a list of ints. Two ranks exchange one message each way on
-        their own TCP connection (:class:`PairChannel`); more send theirs to their
-        exchange relay, which runs the rounds in a process of its own. Either way no
-        Python of this process runs between posting and collecting, so the exchange
-        never waits for this process's GIL."""
-        if self._channel is not None:
-            with self._lock:
-                self._check_open()
-                return self._channel.post(values)
-        mine = np.array(values, dtype=np.int64)
-        return self._submit(lambda pg: self._max(pg, mine, self.timeout))
+        ``.result()`` is a list of ints. The rounds run on the host group's C++ thread,
+        or where it has none, on its Python thread (module docstring)."""
+        return self._max_async(values, self.timeout)
+
+    def _max_async(self, values: Sequence[int], timeout: datetime.timedelta) -> Exchange:
+        with self._lock:
+            self._check_open()
+            if self._exchanger is not None:
+                return self._exchanger.post(values, timeout)
+            mine = [int(v) for v in values]
+            return self._submit_locked(lambda pg: self._rounds.run(pg, mine, timeout))
 
     def max(self, values: Sequence[int]) -> list[int]:
         """The element-wise max of ``values`` (int64) over the ranks (blocks)."""
@@ -437,32 +350,6 @@ class HostGroup:
                     f"  ({why}: this is group rank {self.rank}'s side only)")
 
     # -- on the group's thread ------------------------------------------------------
-    def _max(self, pg: Any, mine: np.ndarray, timeout: datetime.timedelta) -> list[int]:
-        rank, size = self.rank, self.size
-        buf = torch.from_numpy(mine)  # host-side on purpose: the gloo group's own tensors
-        got = torch.empty_like(buf)
-        values, received = buf.numpy(), got.numpy()
-        p = 1 << (size.bit_length() - 1)  # the largest power of two <= size
-        # (every wait is given the timeout: the gloo group's own bounds connections)
-        if rank >= p:  # fold into rank - p, then take its result
-            pg.send([buf], rank - p, 0).wait(timeout)
-            pg.recv([buf], rank - p, 0).wait(timeout)
-            return values.tolist()
-        if rank + p < size:
-            pg.recv([got], rank + p, 0).wait(timeout)
-            np.maximum(values, received, out=values)
-        mask = 1
-        while mask < p:
-            peer = rank ^ mask
-            send, recv = pg.send([buf], peer, 0), pg.recv([got], peer, 0)
-            send.wait(timeout)
-            recv.wait(timeout)
-            np.maximum(values, received, out=values)
-            mask <<= 1
-        if rank + p < size:
-            pg.send([buf], rank + p, 0).wait(timeout)
-        return values.tolist()
-
     def _broadcast(self, pg: Any, obj: Any, src: int) -> Any:
         if self.size == 1:
             return obj
@@ -493,236 +380,133 @@ class HostGroup:
                                  f"broadcast bytes that are not JSON ({e})") from e
 
 
-class PairChannel:
-    """The max exchanges of a group of two ranks: one TCP connection between them, which
-    the kernel carries (and, for a larger group, the socket pair to this rank's exchange
-    relay, whose answer is the max itself, or an error frame with the reason the
-    exchange failed). Posting an exchange is one ``send`` of this rank's values;
-    collecting it reads the peer's, which have usually arrived long before (they sit in
-    the socket's buffer: one ``recv``). No thread, no Python and no GIL between the two;
-    gloo's own point-to-point messages, tried first, took 0.1-5 ms to post on a busy
-    2-core host (bench/results/host_bound_cpu_2026-11-26.md).
+class PythonRounds:
+    """The rounds of :meth:`HostGroup.max_async` in Python, on the host group's thread
+    where the C++ part is not built: what ``csrc/host_check.cpp``'s ``Exchanger`` does,
+    with the same messages (a rank of either kind can be the other's peer)."""
 
-    Messages are framed (a count of int64, then the values) and taken in the order they
-    were posted, which is the same on both ranks; one collected out of order waits here
-    until its own comes. A count that differs from this rank's means the ranks asked for
-    different exchanges: :class:`HostGroupError`. The socket does not block: every wait
-    is a ``poll`` bounded by the group's timeout (or the caller's)."""
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self._failed: str | None = None  # the first failure: every later exchange fails with it
+        self._exchanges = 0
+        self._kept: list[Any] = []  # (the works of failed rounds, with their tensors)
 
-    def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> None:
-        _channels.add(self)
-        sock.setblocking(False)
-        self._sock, self._peer = sock, peer
-        self._timeout = timeout
-        self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
-        self._posted = self._read = 0
-        self._buf = bytearray()  # received, not yet a whole message
-        self._early: dict[int, tuple[int, ...]] = {}  # the peer's values read before their turn
-        self._failed: str | None = None  # why the other end failed (a relay's ERROR frame)
-        self._tickets = 0
+    def run(self, pg: Any, values: list[int], timeout: datetime.timedelta) -> list[int]:
+        """The max of ``values`` over the ranks of the gloo group ``pg``."""
+        seq, self._exchanges = self._exchanges, self._exchanges + 1
+        if self._failed is not None:
+            raise ConnectionError(self._failed)
+        n = len(values)
+        if n >= TAG_BASE:
+            raise ValueError(f"ddp_fusion: a host group exchange of {n} values (at most {TAG_BASE - 1})")
+        mine = torch.tensor([FINE, -1, -1, n, *values], dtype=torch.int64)  # host-side on purpose
+        got = torch.empty_like(mine)
+        m, g = mine.numpy(), got.numpy()
+        local = None
+        start = time.monotonic()
+        for k, (peer, send, recv, combine) in enumerate(schedule(self.rank, self.size)):
+            deadline = start + timeout.total_seconds() + k * GRACE_S
+            works = []
+            try:
+                if recv:
+                    works.append(pg.recv([got], peer, TAG_BASE + n))
+                if send:
+                    works.append(pg.send([mine], peer, TAG_BASE + n))
+                for work in works:
+                    left = datetime.timedelta(seconds=max(1e-3, deadline - time.monotonic()))
+                    if not work.wait(left):
+                        raise ConnectionError("its host group ended")
+            except Exception as e:  # noqa: BLE001 - carried to the later peers, then raised
+                self._kept += works
+                if m[0] == FINE:
+                    m[:3] = (SILENT if "imed out" in str(e) else BROKEN, self.rank, peer)
+                    local = (f"group rank {self.rank} could not exchange with group rank {peer}: "
+                             f"{type(e).__name__}: {str(e)[:2000]}")
+                continue
+            if not recv:
+                continue
+            if combine == 2:
+                if m[0] == FINE:
+                    m[:] = g
+            else:
+                if m[0] == FINE and g[0] != FINE:
+                    m[:3] = g[:3]
+                np.maximum(m[HEADER:], g[HEADER:], out=m[HEADER:])
+        if m[0] != FINE:
+            kind, origin, peer = (int(v) for v in m[:3])
+            why = local if origin == self.rank and local else _failure(kind, origin, peer)
+            self._failed = f"exchange {seq}: {why}"
+            raise ConnectionError(self._failed)
+        return m[HEADER:].tolist()
+
+
+class NativeExchanger:
+    """A host group's C++ thread that runs the max's rounds (``csrc/host_check.cpp``'s
+    ``Exchanger``, ``core``): exchanges posted here and by the plan ops' C++ kernels
+    (plan_check.py) run in the order posted, numbered alike."""
+
+    def __init__(self, core: Any, timeout: datetime.timedelta) -> None:
+        self.core, self.timeout = core, timeout
 
     def ticket(self) -> int:
         """The host group's next ticket (:meth:`HostGroup.ticket`)."""
-        self._tickets += 1
-        return self._tickets
-
-    @property
-    def tickets(self) -> int:
-        """The tickets taken so far."""
-        return self._tickets
-
-    def post(self, mine: Sequence[int]) -> PairMax:
-        """Send this rank's ``mine`` (int64 values) and return the exchange, to collect
-        later. (Packed with ``struct``, not through a numpy array: about 6 µs less a
-        plan check in a step, bench/results/issue36_check_cpu_2026-11-28.md.)"""
-        mine = [int(v) for v in mine]
-        frame = memoryview(_FRAME.pack(len(mine)) + struct.pack(f"<{len(mine)}q", *mine))
-        deadline = None
-        with self._send_lock:
-            seq, self._posted = self._posted, self._posted + 1
-            try:
-                while frame:
-                    try:
-                        frame = frame[self._sock.send(frame):]
-                    except BlockingIOError:  # the peer has not read for a long time
-                        deadline = deadline or time.monotonic() + self._timeout.total_seconds()
-                        self._wait(deadline, writing=True)
-            except OSError as e:  # (TimeoutError too)
-                with self._recv_lock:  # a relay that failed said why before it ended
-                    try:
-                        self._receive()
-                    except ConnectionError:
-                        pass
-                if self._failed is not None:
-                    raise ConnectionError(self._failed) from e
-                raise self._send_failed(e) from e
-        return PairMax(self, seq, mine)
-
-    def take(self, seq: int, deadline: float) -> tuple[int, ...]:
-        """The peer's values of exchange ``seq``, waited for until ``deadline``
-        (``time.monotonic``)."""
-        with self._recv_lock:
-            while seq not in self._early:
-                if not self._receive():
-                    self._wait(deadline, writing=False)
-            return self._early.pop(seq)
-
-    def arrived(self, seq: int) -> bool:
-        """Whether the peer's values of exchange ``seq`` are here: collecting them would
-        not wait for the peer."""
-        with self._recv_lock:
-            self._receive()
-            return seq in self._early
-
-    def _receive(self) -> bool:
-        """Read what has arrived, without waiting; whether anything had."""
-        if self._failed is not None:
-            raise ConnectionError(self._failed)
-        if self._sock.fileno() < 0:
-            raise self._closed_here()
-        try:
-            data = self._sock.recv(1 << 16)
-        except BlockingIOError:
-            return False
-        except OSError as e:
-            raise self._peer_closed(e) from e
-        if not data:
-            raise self._peer_closed()
-        buf = self._buf
-        buf += data
-        at = 0
-        while len(buf) - at >= _FRAME.size:
-            (count,) = _FRAME.unpack_from(buf, at)
-            if count == _relay.ERROR:  # (a relay's: a text follows, then it exits)
-                text = _relay.take_error(buf[at:])
-                if text is not None:
-                    self._failed = f"{self._peer} failed: {text}"
-                    raise ConnectionError(self._failed)
-                break
-            end = at + _FRAME.size + 8 * count
-            if len(buf) < end:
-                break
-            self._early[self._read] = struct.unpack_from(f"<{count}q", buf, at + _FRAME.size)
-            self._read += 1
-            at = end
-        del buf[:at]
-        return True
-
-    def _wait(self, deadline: float, writing: bool) -> None:
-        left = deadline - time.monotonic()
-        reading, sending = ([], [self._sock]) if writing else ([self._sock], [])
-        ready = left > 0 and any(_relay.ready(reading, sending, left))
-        if not ready:
-            raise self._timed_out(writing)
-
-    # -- the errors, worded alike for both channels ------------------------------------
-    def _send_failed(self, e: OSError) -> ConnectionError:
-        return ConnectionError(f"could not send to {self._peer}: its process ended, is stuck, "
-                               f"or the connection broke ({type(e).__name__}: {e})")
-
-    def _closed_here(self) -> ConnectionError:
-        return ConnectionError(f"the connection to {self._peer} was closed here: its host group has ended")
-
-    def _peer_closed(self, e: OSError | None = None) -> ConnectionError:
-        how = "" if e is None else f": {type(e).__name__}: {e}"
-        return ConnectionError(f"{self._peer} closed the connection (its process ended{how})")
-
-    def _timed_out(self, writing: bool) -> TimeoutError:
-        what = "read nothing" if writing else "sent nothing"
-        return TimeoutError(f"{self._peer} {what} in time (it died, or is stuck before this exchange)")
-
-    def fileno(self) -> int:
-        """The socket's file descriptor (-1 once closed)."""
-        return self._sock.fileno()
-
-    def close(self) -> None:
-        self._sock.close()
-
-    close_in_child = close
-
-
-class NativePairChannel(PairChannel):
-    """:class:`PairChannel` on the C++ channel of ``ddp_fusion/csrc/host_check.cpp``
-    (``_native.py``): the same frames, numbering and waits, in C++ with the GIL
-    released; the plan ops' C++ kernels post and collect the plan check's exchanges of a
-    steady step on it directly (plan_check.py), numbered with the Python ones. The
-    channel owns the socket (its file descriptor) from here on."""
-
-    def __init__(self, sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> None:
-        sock.setblocking(False)
-        self._peer, self._timeout = peer, timeout
-        self._failed = None
-        self.core = _native.load().Channel(sock.fileno(), timeout.total_seconds())
-        sock.detach()  # (the C++ channel closes it)
-        _channels.add(self)
-
-    def ticket(self) -> int:
         return self.core.ticket()
 
     @property
     def tickets(self) -> int:
         return self.core.tickets()
 
-    def post(self, mine: Sequence[int]) -> PairMax:
-        mine = [int(v) for v in mine]
-        status, seq, err = self.core.post(mine, self._timeout.total_seconds())
+    def post(self, values: Sequence[int], timeout: datetime.timedelta | None = None) -> NativeMax:
+        """Post the max of ``values``; raises if the host group has ended."""
+        mine = [int(v) for v in values]
+        status, seq = self.core.post(mine, (timeout or self.timeout).total_seconds())
         if status != OK:
-            raise self.post_error(status, err)
-        return PairMax(self, seq, mine)
+            raise self.error(status, "")
+        return NativeMax(self, seq)
 
-    def post_error(self, status: int, err: int) -> ConnectionError:
-        """The error of a post that ended with ``status`` (``err``: its errno), as
-        :meth:`PairChannel.post` words it."""
-        if self.core.arrived(-1)[0] == ERROR_FRAME:  # a relay that failed said why before it ended
-            return self.error(ERROR_FRAME, 0)
-        return self._send_failed(OSError(err, os.strerror(err)) if status == OS_ERROR
-                                 else self.error(status, err, writing=True))
-
-    def take(self, seq: int, deadline: float) -> tuple[int, ...]:
-        status, values, err = self.core.take(seq, max(0.0, deadline - time.monotonic()))
-        if status != OK:
-            raise self.error(status, err)
-        return tuple(values)
-
-    def arrived(self, seq: int) -> bool:
-        status, here, err = self.core.arrived(seq)
-        if status != OK:
-            raise self.error(status, err)
-        return here
-
-    def error(self, status: int, err: int, writing: bool = False) -> OSError:
-        """The error a channel operation that ended with ``status`` (``err``: its errno)
-        raises, as :class:`PairChannel` words it."""
+    def error(self, status: int, text: str) -> OSError:
+        """The error of an exchange that ended with ``status`` (``text``: where and why it
+        failed, as the ranks learned it)."""
         if status == TIMED_OUT:
-            return self._timed_out(writing)
-        if status == ERROR_FRAME:
-            if self._failed is None:
-                text = _relay.take_error(bytearray(self.core.error_bytes()))
-                self._failed = f"{self._peer} failed: {text}"
-            return ConnectionError(self._failed)
+            return TimeoutError("the host group's exchanges did not finish in time")
         if status == CLOSED_HERE:
-            return self._closed_here()
-        return self._peer_closed(None if status == PEER_CLOSED else OSError(err, os.strerror(err)))
+            return ConnectionError("its host group has ended")
+        return ConnectionError(text)
 
-    def fileno(self) -> int:
-        return self.core.fileno()
-
-    def close(self) -> None:
-        self.core.close()
-
-    def close_in_child(self) -> None:
-        self.core.close_in_child()
+    def close(self, wait_s: float = 0.0) -> None:
+        self.core.close(wait_s)
 
 
-# A C++ channel operation's outcome (csrc/host_check.cpp's ``Status``)
-OK, TIMED_OUT, PEER_CLOSED, OS_ERROR, ERROR_FRAME, CLOSED_HERE = range(6)
+# An exchange's outcome (csrc/host_check.cpp's ``Status``)
+OK, TIMED_OUT, FAILED, CLOSED_HERE = range(4)
 
 
-def channel(sock: socket.socket, timeout: datetime.timedelta, peer: str = "the peer") -> PairChannel:
-    """A :class:`NativePairChannel` where the C++ extension is on (``config.native_check``)
-    and built, else a :class:`PairChannel`: the same frames on the wire."""
-    kind = NativePairChannel if native() is not None else PairChannel
-    return kind(sock, timeout, peer)
+class NativeMax:
+    """An exchange posted on a :class:`NativeExchanger`; :meth:`result` collects it."""
+
+    def __init__(self, exchanger: NativeExchanger, seq: int,
+                 taken: Callable[[], list[int]] | None = None) -> None:
+        self._exchanger, self._seq = exchanger, seq
+        self._taken = taken  # (the max, or its error, as the C++ kernel took it)
+
+    def done(self) -> bool:
+        """Whether :meth:`result` would not wait."""
+        return self._exchanger.core.arrived(self._seq)
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """The element-wise max, waited for (up to ``timeout`` seconds, else as long as
+        the exchange can take); raises where it failed on any rank."""
+        if self._taken is not None:
+            return self._taken()
+        limit = self._exchanger.core.budget_s() if timeout is None else timeout
+        status, values, text = self._exchanger.core.take(self._seq, limit)
+        if status != OK:
+            raise self._exchanger.error(status, text)
+        return list(values)
+
+
+#: What :meth:`HostGroup.max_async` returns: a max in flight, whose ``result()`` waits.
+Exchange = concurrent.futures.Future | NativeMax
 
 
 def native() -> Any | None:
@@ -749,85 +533,31 @@ def native_loaded() -> Any | None:
     return _native.loaded()
 
 
-#: A :class:`PairChannel` message's header: the number of int64 values that follow.
-_FRAME = _relay.FRAME
-
-#: Every open :class:`PairChannel` of this process.
-_channels: weakref.WeakSet[PairChannel] = weakref.WeakSet()
-
-
-def _close_channels_in_child() -> None:
-    """A forked child (a DataLoader worker) closes its copies of the channels' sockets,
-    so that a peer or relay still sees this process's end close when the host group
-    ends or the process does (the child cannot use them anyway)."""
-    for channel in list(_channels):
-        channel.close_in_child()
-
-
-os.register_at_fork(after_in_child=_close_channels_in_child)
+def schedule(rank: int, size: int) -> list[tuple[int, bool, bool, int]]:
+    """The rounds of a max over ``size`` ranks from ``rank``: ``(peer, send, receive,
+    combine)``, combine 1 taking the max with the peer's values, 2 taking the peer's as
+    the result. The ranks above the largest power of two p fold into ``rank - p`` first
+    and take its result at the end; below p, one peer per round (``rank ^ 2**i``), as
+    ``csrc/host_check.cpp``'s ``schedule``."""
+    p = 1 << (size.bit_length() - 1)
+    if rank >= p:
+        return [(rank - p, True, False, 0), (rank - p, False, True, 2)]
+    steps = [(rank + p, False, True, 1)] if rank + p < size else []
+    steps += [(rank ^ (1 << i), True, True, 1) for i in range(p.bit_length() - 1)]
+    return steps + ([(rank + p, True, False, 0)] if rank + p < size else [])
 
 
-class PairMax:
-    """An exchange posted on a :class:`PairChannel`; :meth:`result` collects it."""
-
-    def __init__(self, channel: PairChannel, seq: int, mine: list[int],
-                 taken: Callable[[], tuple[int, ...]] | None = None) -> None:
-        self._channel, self._seq, self._mine = channel, seq, mine
-        self._taken = taken  # (the peer's values, or their error, as the C++ kernel took them)
-
-    def done(self) -> bool:
-        """Whether :meth:`result` would not wait for the peer."""
-        return self._channel.arrived(self._seq)
-
-    def result(self, timeout: float | None = None) -> list[int]:
-        """The element-wise max, waited for (up to ``timeout`` seconds, else the group's
-        timeout); raises if the peer does not answer in time or has gone."""
-        if self._taken is not None:
-            theirs = self._taken()
-        else:
-            limit = self._channel._timeout.total_seconds() if timeout is None else timeout
-            theirs = self._channel.take(self._seq, time.monotonic() + limit)
-        if len(theirs) != len(self._mine):
-            raise HostGroupError(
-                f"ddp_fusion: the two ranks of a host group asked for different exchanges "
-                f"(exchange {self._seq}: {len(self._mine)} values on this rank, {len(theirs)} on the peer)"
-            )
-        return [max(a, b) for a, b in zip(self._mine, theirs)]
+def peers(rank: int, size: int) -> list[int]:
+    """The group ranks a max over ``size`` ranks exchanges with, from ``rank``."""
+    return list(dict.fromkeys(peer for peer, *_ in schedule(rank, size)))
 
 
-#: What :meth:`HostGroup.max_async` returns: a max in flight, whose ``result()`` waits.
-Exchange = concurrent.futures.Future | PairMax
-
-
-def start_relay(rank: int, size: int, host: str, timeout_s: float, name: str,
-                deadline: float) -> tuple[subprocess.Popen, socket.socket, str]:
-    """Start group rank ``rank``'s exchange relay (``_relay.py``), listening on
-    ``host``: its process, this end of the socket pair to it, and where it listens
-    (``host|port``), which it says by ``deadline`` (``time.monotonic``)."""
-    mine, theirs = socket.socketpair()
-    try:
-        relay = subprocess.Popen(
-            [sys.executable, "-I", _relay.__file__, str(theirs.fileno()), str(rank), str(size), host,
-             repr(timeout_s), name],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
-    except BaseException:
-        mine.close()
-        raise
-    finally:
-        theirs.close()
-    try:
-        return relay, mine, _relay.read_text(mine, deadline)
-    except BaseException:
-        relay.kill()
-        mine.close()
-        raise
-
-
-def connect_relay(ctrl: socket.socket, addresses: dict[int, str], connect_s: float) -> None:
-    """Tell a relay where its peers' relays listen (group rank -> ``host|port``); it
-    connects within ``connect_s`` and then says ``ok`` (or an error) on ``ctrl``."""
-    _relay.send_text(ctrl, json.dumps({"peers": {str(q): a for q, a in addresses.items()},
-                                       "connect_s": connect_s}))
+def _failure(kind: int, origin: int, peer: int) -> str:
+    """Why an exchange failed, as a message from group rank ``origin`` says it."""
+    what = ("it sent or read nothing in time (it died, is stuck before this exchange, or asked for "
+            "an exchange of another length)" if kind == SILENT
+            else "the connection failed (its process ended?)")
+    return f"group rank {origin} could not exchange with group rank {peer}: {what}"
 
 
 def _described(describe: Callable[[dict[int, str]], str], payloads: dict[int, str]) -> str:
@@ -835,9 +565,6 @@ def _described(describe: Callable[[dict[int, str]], str], payloads: dict[int, st
         return describe(payloads)
     except Exception as e:  # noqa: BLE001 - the ranks must still hear something
         return f"(describing it failed: {type(e).__name__}: {e})"
-
-
-_peers = _relay.peers
 
 
 def _where() -> str:
@@ -855,47 +582,6 @@ def _where() -> str:
     loopback = all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
     return (f"host {host}, address {', '.join(addresses)}"
             + (" (loopback: no other host can reach it)" if loopback else ""))
-
-
-def _listen_address() -> str:
-    """The address gloo listens on (:func:`_where`): the first interface
-    ``GLOO_SOCKET_IFNAME`` names (its IPv4 address), else the first address the host's
-    name resolves to that can be bound, else 127.0.0.1."""
-    ifname = os.environ.get(_torch.distributed.GLOO_SOCKET_IFNAME, "").split(",")[0].strip()
-    if ifname:
-        import fcntl  # (POSIX; Linux's SIOCGIFADDR)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
-        return socket.inet_ntoa(packed[20:24])
-    try:
-        found = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
-    except OSError:
-        found = []
-    for family, _, _, _, address in found:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((address[0], 0))
-            return str(address[0])
-        except OSError:
-            continue
-    return "127.0.0.1"
-
-
-def _accept_peer(server: socket.socket, hello: str, deadline: float) -> socket.socket:
-    """The first connection to ``server`` that names ``hello``, answered with it (a
-    stray one is closed); TimeoutError at ``deadline``."""
-    while True:
-        server.settimeout(max(1e-3, deadline - time.monotonic()))
-        sock, _ = server.accept()
-        try:
-            if _relay.read_text(sock, deadline) == hello:
-                _relay.send_text(sock, hello)
-                return sock
-        except OSError:
-            pass
-        sock.close()
-        if time.monotonic() >= deadline:
-            raise TimeoutError("no peer named this group")
 
 
 def _ranges(ranks: Sequence[int]) -> str:

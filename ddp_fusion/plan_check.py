@@ -6,8 +6,8 @@ rank-dependent control flow, one rank recompiling) would plan different buckets,
 first step or at any later one. Each fused graph therefore starts with one
 ``ddp_fusion::plan_check_start`` per process group, which starts an exchange of a hash
 h of the group's plan on the group's host group (host_group.py: the max of (h, -h) over
-the ranks, O(log N) rounds on the host, never a device tensor; over two ranks one
-message each way on the pair's own TCP connection, over more through exchange relays),
+the ranks, O(log N) rounds on the host over a gloo group, run by a C++ thread, never a
+device tensor),
 and has one ``ddp_fusion::plan_guard`` right before the group's
 first bucket is issued, which collects it. Every rank runs the same plan exactly when
 both maxima give back its own h; if not, every rank raises :class:`PlanMismatchError`,
@@ -262,10 +262,10 @@ def _cpp_pending(group_name: str, plan_hash: int
         return None
     core, seq, ticket = taken
     host = _steady_hosts[group_name]
-    if host.channel is None or getattr(host.channel, "core", None) is not core:
+    if host.exchanger is None or host.exchanger.core is not core:
         raise RuntimeError(f"ddp_fusion: the host group of process group {group_name!r} was replaced "
                            "between this step's plan check and its guard")
-    return host, ticket, host_group.PairMax(host.channel, seq, [plan_hash, -plan_hash])
+    return host, ticket, host_group.NativeMax(host.exchanger, seq)
 
 
 def _check(host: host_group.HostGroup, ticket: int, exchange: host_group.Exchange, group_name: str,
@@ -276,7 +276,7 @@ def _check(host: host_group.HostGroup, ticket: int, exchange: host_group.Exchang
         raise PlanMismatchError(describe_mismatch(host, ticket, group_name, plan_hash, _texts[plan_hash]))
 
 
-# group name -> the host group whose C++ channel its steady checks use (for their errors)
+# group name -> the host group whose C++ exchanger its steady checks use (for their errors)
 _steady_hosts: dict[str, host_group.HostGroup] = {}
 
 
@@ -285,10 +285,10 @@ def _mark_steady(group_name: str, group: dist.ProcessGroup, host: host_group.Hos
     """After a plan's check passed in Python: from the next step, the C++ kernels
     (csrc/host_check.cpp) run its check, where they can. Not for a plan with hooked
     buckets, nor while any comm hook exists (a steady step skips ``drop_in_flight``),
-    nor while a join context sets the divisor, nor without the C++ channel."""
-    channel = host.channel
+    nor while a join context sets the divisor, nor without the C++ exchanger."""
+    exchanger = host.exchanger
     divisor = scaling.divisor(group)
-    if not (isinstance(channel, host_group.NativePairChannel) and config.native_check
+    if not (exchanger is not None and config.native_check
             and not _hook_groups.get(plan_hash) and not comm_hooks.any_registered()
             and isinstance(divisor, int)):
         return
@@ -298,28 +298,29 @@ def _mark_steady(group_name: str, group: dist.ProcessGroup, host: host_group.Hos
     if not native.kernels_registered():
         native.register_kernels(plan_check_start, plan_guard, _steady_start_failed, _steady_failed)
     _steady_hosts[group_name] = host
-    native.mark_steady(group_name, channel.core, plan_hash, float(divisor))
+    native.mark_steady(group_name, exchanger.core, plan_hash, float(divisor))
 
 
-def _steady_start_failed(group_name: str, status: int, err: int) -> None:
-    """The C++ start could not post its exchange (``status``, ``err``: the channel's
-    outcome and errno): the error the Python start raises for it."""
-    raise _steady_hosts[group_name].channel.post_error(status, err)
+def _steady_start_failed(group_name: str, status: int) -> None:
+    """The C++ start could not post its exchange (``status``: the exchanger's outcome):
+    the error the Python start raises for it."""
+    raise _steady_hosts[group_name].exchanger.error(status, "")
 
 
 def _steady_failed(token: torch.Tensor, group_name: str, plan_hash: int, reduce_op: str, device: torch.device,
-                   seq: int, ticket: int, status: int, theirs: list[int], err: int) -> torch.Tensor:
-    """The C++ guard's check of exchange ``seq`` did not pass (``status``: the channel's
-    outcome, ``theirs``: the peer's values): the error the Python guard raises for it."""
+                   seq: int, ticket: int, status: int, top: list[int], text: str) -> torch.Tensor:
+    """The C++ guard's check of exchange ``seq`` did not pass (``status``: the
+    exchanger's outcome, ``top``: the max, ``text``: why it failed): the error the
+    Python guard raises for it."""
     host = _steady_hosts[group_name]
-    channel = host.channel
+    exchanger = host.exchanger
 
-    def taken() -> tuple[int, ...]:
+    def taken() -> list[int]:
         if status != host_group.OK:
-            raise channel.error(status, err)
-        return tuple(theirs)
+            raise exchanger.error(status, text)
+        return list(top)
 
-    exchange = host_group.PairMax(channel, seq, [plan_hash, -plan_hash], taken)
+    exchange = host_group.NativeMax(exchanger, seq, taken)
     _check(host, ticket, exchange, group_name, plan_hash)
     return _divisor_tensor(_known_group(group_name), reduce_op, device)  # (passed after all: not reached)
 

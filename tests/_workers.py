@@ -1,6 +1,7 @@
 """Per-rank bodies of the multi-process tests (importable by spawned ranks)."""
 
 import copy
+import os
 import time
 
 import torch
@@ -227,11 +228,16 @@ def training_semantics(rank, world_size, dump_root):
     return out
 
 
-def peer_dies_mid_step(rank, world_size, compiled):
-    """Rank 1 leaves after the forward; rank 0's backward must raise (not hang).
-    Returns (error type as ``module.qualname``, seconds until the error, message) on
-    rank 0."""
+def peer_dies_mid_step(rank, world_size, compiled, kill=False):
+    """Rank 1 leaves after the forward (``kill``: SIGKILLed a second later, its process
+    group never destroyed); the others' backward must raise (not hang). Returns (error
+    type as ``module.qualname``, seconds until the error, message, child processes of
+    this rank after it) on the others."""
+    import signal
+    import threading
     import time
+
+    from _workers_host_group import _children
 
     with ddp_fusion.config.patch(enabled=compiled):
         ddp = ddp_fusion.DistributedDataParallel(mlp())
@@ -240,14 +246,16 @@ def peer_dies_mid_step(rank, world_size, compiled):
             model(torch.randn(4, 64)).sum().backward()
         loss = model(torch.randn(4, 64)).sum()
         if rank == 1:
+            if kill:
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
             return None  # gone: its process group is destroyed and the process exits
         start = time.monotonic()
         try:
             loss.backward()
         except Exception as e:  # noqa: BLE001 - the test checks what it is
             kind = f"{type(e).__module__}.{type(e).__qualname__}"
-            return kind, time.monotonic() - start, str(e)[:300]
-        return "no error", time.monotonic() - start, ""
+            return kind, time.monotonic() - start, str(e)[:1000], _children()
+        return "no error", time.monotonic() - start, "", _children()
 
 
 # -- DP x TP (hand-written Megatron-style tensor parallelism) ------------------------

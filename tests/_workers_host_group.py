@@ -33,8 +33,7 @@ def _resources() -> dict:
 
 
 def _children() -> int:
-    """Processes whose parent is this one (a host group of more than two ranks starts
-    an exchange relay), zombies included."""
+    """Processes whose parent is this one, zombies included (a host group starts none)."""
     n = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -184,18 +183,6 @@ class _Unreachable(dist.Store):
         return True
 
 
-class _UnreachablePair(_Unreachable):
-    """The default store, except that where group rank 0 of a two-rank host group says
-    it listens for the pair's own connection (``<prefix>/pair``) reads as an address
-    nobody answers at: gloo's group connects, that connection does not."""
-
-    def get(self, key):
-        value = self.store.get(key)
-        if key.startswith("ddp_fusion/host/") and key.endswith("/pair"):
-            return f"{UNREACHABLE}|{value.decode().rsplit('|', 1)[1]}".encode()
-        return value
-
-
 def _build(group):
     """Seconds to build a model on ``group`` (which makes its host group), the error's
     type and message (None, None if it built)."""
@@ -209,7 +196,7 @@ def _build(group):
 
 def cannot_connect(rank, world_size):
     """Host groups on new groups of both ranks: the ranks' gloo addresses read as ones
-    nobody answers at; the pair's own connection's address reads so; rank 1's
+    nobody answers at; rank 1's
     ``GLOO_SOCKET_IFNAME`` names an interface it lacks; both name the loopback interface
     (``lo``: fine). Returns ``{case: (seconds, error type, message)}``: each failure must
     come within seconds, on both ranks."""
@@ -223,10 +210,6 @@ def cannot_connect(rank, world_size):
     _torch.distributed.default_store = lambda: unreachable
     try:
         out["unreachable"] = _build(group)
-        group = dist.new_group([0, 1])
-        pair_unreachable = _UnreachablePair(default_store())
-        _torch.distributed.default_store = lambda: pair_unreachable
-        out["pair unreachable"] = _build(group)
     finally:
         _torch.distributed.default_store = default_store
     for case, ifname in (("no such interface", "nosuch0" if rank == 1 else ""), ("lo", "lo")):

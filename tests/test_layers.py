@@ -15,7 +15,7 @@ import ddp_fusion
 PACKAGE = pathlib.Path(ddp_fusion.__file__).parent
 
 LAYERS: list[set[str]] = [  # L0, L1, ...: as CONTRIBUTING.md draws it
-    {"_torch", "config", "launch", "_relay", "_autoload", "_native"},
+    {"_torch", "config", "launch", "_autoload", "_native"},
     {"log", "effects", "scaling"},
     {"plan", "host_group"},
     {"ops", "dump", "comm_hooks", "ready_order", "settings_check"},

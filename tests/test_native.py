@@ -1,16 +1,16 @@
 """The plan ops' C++ kernels (ddp_fusion/csrc/host_check.cpp) in one process: a plan
-marked steady on one end of a socket pair, the other end played by the test. What they
-do on a steady step, and that every other case goes to the Python code: a mismatch, a
-post that fails, a start that runs in Python after a C++ one whose guard never ran, a
-guard that runs in Python after a C++ start."""
-
-import datetime
-import socket
+marked steady on group rank 0's exchanger of a host group of two (gloo groups of this
+process), group rank 1 played by the test. What they do on a steady step, and that
+every other case goes to the Python code: a mismatch, a peer gone, a start that runs in
+Python after a C++ one whose guard never ran, a guard that runs in Python after a C++
+start."""
 
 import pytest
 import torch
 
-from ddp_fusion import PlanMismatchError, host_group, plan_check
+from ddp_fusion import PlanMismatchError, plan_check
+
+from _exchangers import native as _native, ranks as _ranks
 
 GROUP = "test_native"
 H = 0x1234_5678_9ABC
@@ -18,11 +18,11 @@ CPU = torch.device("cpu")
 
 
 class _Host:
-    """What the Python side uses of a steady plan's host group: its channel, and a
+    """What the Python side uses of a steady plan's host group: its exchanger, and a
     mismatch's description (the store's, in a real group)."""
 
-    def __init__(self, channel):
-        self.channel = channel
+    def __init__(self, exchanger):
+        self.exchanger = exchanger
 
     def report(self, topic, ticket, mine, describe):
         return f"mismatch described, ticket {ticket}"
@@ -33,14 +33,11 @@ class _Host:
 
 @pytest.fixture
 def steady(monkeypatch):
-    """(the C++ module, this rank's channel, the peer's end), the plan ``H`` of group
-    ``GROUP`` marked steady on this rank's channel (divisor 2)."""
-    native = host_group.native()
-    if native is None:
-        pytest.fail(f"the C++ extension did not build: {__import__('ddp_fusion._native')._native.failure()}")
-    a, b = socket.socketpair()
-    timeout = datetime.timedelta(seconds=5)
-    mine, peer = host_group.NativePairChannel(a, timeout), host_group.PairChannel(b, timeout)
+    """(the C++ module, this rank's exchanger, the peer), the plan ``H`` of group
+    ``GROUP`` marked steady on this rank's exchanger (divisor 2)."""
+    native = _native()
+    mine, peer = _ranks([True, True], timeout_s=5)
+    mine = mine.x
     native.register_kernels(plan_check.plan_check_start, plan_check.plan_guard,
                             plan_check._steady_start_failed, plan_check._steady_failed)
     monkeypatch.setitem(plan_check._steady_hosts, GROUP, _Host(mine))
@@ -50,8 +47,8 @@ def steady(monkeypatch):
     native.forget(GROUP)
     while native.take_pending(GROUP, H) is not None:
         pass
-    mine.close()
-    peer.close()
+    mine.close(2.0)
+    peer.leave()
 
 
 def _start():
@@ -104,9 +101,12 @@ def test_a_guard_that_runs_in_python_collects_the_cpp_start_s_check(steady, monk
     assert native.pending() == 0
 
 
-def test_a_start_whose_post_fails_raises_the_python_error_and_posts_nothing_more(steady):
+def test_a_steady_check_whose_peer_has_gone_raises_the_python_error_naming_it(steady):
     native, mine, peer = steady
-    peer.close()
-    with pytest.raises(ConnectionError, match=r"could not send to the peer: .*\(BrokenPipeError: "):
-        _start()
+    peer.leave()
+    token = _start()
+    with pytest.raises(RuntimeError, match=r"the per-step plan check of process group 'test_native' failed .*"
+                                           r"ConnectionError: exchange \d+: group rank 0 could not exchange "
+                                           r"with group rank 1: .*Connection closed by peer"):
+        _guard(token)
     assert native.pending() == 0

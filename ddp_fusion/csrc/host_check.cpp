@@ -1,42 +1,49 @@
-// The host side of the per-step plan check in C++ (ddp_fusion/_native.py loads it).
+// The host side of ddp_fusion's cross-rank checks in C++ (ddp_fusion/_native.py loads it).
 //
 // Two parts:
 //
-// * Channel: host_group.PairChannel's framing on one socket (a group of two ranks' own
-//   TCP connection, or the socket pair to this rank's exchange relay): a frame is a
-//   uint32 count of int64 values, then the values, little-endian; 0xFFFFFFFF instead of
-//   a count starts a relay's error frame (a uint32 length, then the text). It numbers
-//   the exchanges posted and the frames read, keeps frames read before their turn, and
-//   counts the host group's tickets. It is the only reader and writer of its socket:
-//   the Python exchanges (host_group.NativePairChannel) and the kernels below share it,
-//   so an exchange is numbered alike on either path. Every wait is a poll, bounded by
-//   the caller's timeout, with the GIL released (only then: a send or recv that does
-//   not block keeps it, so a steady step's host thread never queues for it again).
+// * Exchanger: the element-wise max of a few int64 over the ranks of a host group
+//   (host_group.HostGroup.max_async), run on one C++ thread of its own over the host
+//   group's gloo process group (torch's engine: its sockets, its threads, its
+//   GLOO_SOCKET_IFNAME), by recursive doubling on gloo's point-to-point send and recv:
+//   ceil(log2 N) rounds, plus two where N is not a power of two. The thread never takes
+//   the GIL, so a round never waits for this process's Python (which the main thread
+//   holds while it runs backward). Exchanges run in the order they were posted, which
+//   is the same on every rank; the Python exchanges (host_group.NativeExchanger) and the
+//   kernels below post to the same exchanger, so an exchange is numbered alike on either
+//   path. A message is [kind, origin, peer, count, values...]: kind 0, or why the
+//   exchange failed at group rank ``origin`` (with ``peer``), tagged with its length;
+//   a rank that fails goes on
+//   with its remaining rounds carrying that, so every rank hears of it at once rather
+//   than after its own timeout. A failed exchange fails every later one of the group.
+//   Every wait of round k ends at the exchange's start + the timeout + k grace periods
+//   (a rank whose earlier round timed out still reaches the later ranks in time).
+//   host_group.HostGroup._max runs the same rounds and messages in Python, where this
+//   part cannot be built: ranks with and without it work together.
 //
 // * Kernels of ddp_fusion::plan_check_start and ddp_fusion::plan_guard for a steady
 //   step: a (group, plan hash) that the Python ops have run and checked once, and then
 //   marked steady. The start posts (h, -h) and returns the divisor; the guard takes the
-//   peer's frame and, when both maxima give back h, returns the divisor. Everything
-//   else goes to the Python ops (plan_check.py): a plan not marked steady, a guard
-//   without this path's start, and every failure (a mismatch, a timeout, a closed
-//   connection, a relay's error frame), which the Python side turns into its errors.
-//   No Python runs on a steady step's check.
+//   max and, when it gives back (h, -h), returns the divisor. Everything else goes to
+//   the Python ops (plan_check.py): a plan not marked steady, a guard without this
+//   path's start, and every failure (a mismatch, a timeout, a rank gone), which the
+//   Python side turns into its errors. No Python runs on a steady step's check.
 
 #include <torch/extension.h>
 #include <torch/library.h>
-
-#include <errno.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -46,26 +53,28 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr uint32_t kError = 0xFFFFFFFFu;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
 
-// What a channel operation ends with (host_group.NativePairChannel names each).
+// What an exchange ends with (host_group.NativeExchanger names each).
 enum Status : int {
   kOk = 0,
-  kTimedOut = 1,    // the peer sent (or read) nothing in time
-  kPeerClosed = 2,  // the peer closed the connection
-  kOsError = 3,     // a socket call failed (errno given)
-  kErrorFrame = 4,  // a relay's error frame, whole (its bytes: Channel::error_bytes)
-  kClosedHere = 5,  // this end was closed: the host group ended
-  kWouldBlock = 6,  // (internal) nothing to read now
+  kTimedOut = 1,    // not done within the time the caller gave
+  kFailed = 2,      // it failed (the text says where and why)
+  kClosedHere = 3,  // the host group ended
 };
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+// A message's header: why the exchange failed (0: it did not), at which group rank,
+// with which peer; then the number of values that follow.
+constexpr int64_t kHeader = 4;
+enum Kind : int64_t { kFine = 0, kBroken = 1, kSilent = 2 };
+// gloo's send/recv tag of an exchange of n values: kTagBase + n. Ranks that ask for
+// exchanges of different lengths never match each other's messages (gloo ends the
+// process on a message longer than the buffer posted for it): they time out instead.
+constexpr int64_t kTagBase = int64_t(1) << 30;  // (host_group.TAG_BASE)
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
 }
 
 // The GIL released for a wait, where this thread holds it.
@@ -81,200 +90,282 @@ struct NoGil {
   NoGil& operator=(const NoGil&) = delete;
 };
 
-// ``mu`` locked; where another thread holds it, waited for without the GIL (that thread
-// may need the GIL to finish). No Channel code takes the GIL while it holds a lock of its
-// own except on leaving a wait, and nothing waits for a lock with the GIL held, so the
-// two never deadlock.
-std::unique_lock<std::mutex> lock_without_gil(std::mutex& mu) {
-  std::unique_lock<std::mutex> lock(mu, std::try_to_lock);
-  if (!lock.owns_lock()) {
-    NoGil no_gil;
-    lock.lock();
+// The rounds of a max over ``size`` ranks as seen from ``rank``: (peer, send, receive,
+// combine), combine 1 = max, 2 = take the peer's message as the result.
+struct Step {
+  int peer;
+  bool send, recv;
+  int combine;
+};
+
+std::vector<Step> schedule(int rank, int size) {
+  int p = 1;
+  while (p * 2 <= size) p *= 2;  // the largest power of two <= size
+  std::vector<Step> steps;
+  if (rank >= p) {  // fold into rank - p, then take its result
+    steps.push_back({rank - p, true, false, 0});
+    steps.push_back({rank - p, false, true, 2});
+    return steps;
   }
-  return lock;
+  if (rank + p < size) steps.push_back({rank + p, false, true, 1});
+  for (int mask = 1; mask < p; mask <<= 1) steps.push_back({rank ^ mask, true, true, 1});
+  if (rank + p < size) steps.push_back({rank + p, true, false, 0});
+  return steps;
 }
 
-class Channel {
+struct Job {
+  int64_t seq;
+  std::vector<int64_t> values;
+  milliseconds timeout;
+};
+
+struct Done {
+  int status = kOk;
+  std::vector<int64_t> values;
+  std::string text;
+};
+
+struct State {
+  std::mutex mu;
+  std::condition_variable cv;  // a job posted, a job done, closing, exited
+  std::deque<Job> jobs;
+  std::unordered_map<int64_t, Done> done;
+  int64_t posted = 0;
+  bool closing = false, exited = false;
+  std::string failed;  // the first failure: every later exchange fails with it
+  std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;  // the round's, for close() to abort
+  // (after a failure: the works of failed rounds, kept with their tensors, which gloo
+  // may still write into)
+  std::vector<c10::intrusive_ptr<c10d::Work>> kept;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  int rank = 0, size = 1;
+  milliseconds grace{2000};
+  std::atomic<int64_t> tickets{0};
+  std::atomic<int64_t> waited_ns{0};  // in take, all told
+};
+
+std::string describe(const int64_t* m, int rank, const std::string& local) {
+  const int64_t kind = m[0], origin = m[1], peer = m[2];
+  if (origin == rank && !local.empty()) return local;
+  const char* what = kind == kSilent ? "it sent or read nothing in time (it died, is stuck before this exchange, "
+                                      "or asked for an exchange of another length)"
+                                    : "the connection failed (its process ended?)";
+  return "group rank " + std::to_string(origin) + " could not exchange with group rank " + std::to_string(peer) +
+         ": " + what;
+}
+
+// One exchange, on the exchanger's thread.
+Done exchange(State& s, Job& job) {
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.failed.empty()) return {kFailed, {}, s.failed};
+  }
+  const int64_t n = int64_t(job.values.size());
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor mine = at::empty({kHeader + n}, opts), got = at::empty({kHeader + n}, opts);
+  int64_t* m = mine.data_ptr<int64_t>();
+  const int64_t* g = got.data_ptr<int64_t>();
+  m[0] = kFine, m[1] = -1, m[2] = -1, m[3] = n;
+  std::copy(job.values.begin(), job.values.end(), m + kHeader);
+  std::string local;  // this rank's own failure, as gloo worded it
+  auto fail = [&](Kind kind, int peer, const std::string& text) {
+    if (m[0] != kFine) return;
+    m[0] = kind, m[1] = s.rank, m[2] = peer;
+    local = "group rank " + std::to_string(s.rank) + " could not exchange with group rank " + std::to_string(peer) +
+            ": " + text;
+  };
+  const auto start = Clock::now();
+  int round = 0;
+  for (const Step& step : schedule(s.rank, s.size)) {
+    const auto deadline = start + job.timeout + round++ * s.grace;
+    std::vector<at::Tensor> out{mine}, in{got};
+    c10::intrusive_ptr<c10d::Work> sent, received;
+    bool ok = true;
+    try {
+      if (step.recv) received = s.backend->recv(in, step.peer, int(kTagBase + n));
+      if (step.send) sent = s.backend->send(out, step.peer, int(kTagBase + n));
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        if (s.closing) throw std::runtime_error("its host group ended");
+        if (received) s.in_flight.push_back(received);
+        if (sent) s.in_flight.push_back(sent);
+      }
+      for (auto* work : {&received, &sent}) {
+        if (!*work) continue;
+        auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+        if (!(*work)->wait(std::max(left, milliseconds(1)))) throw std::runtime_error("its host group ended");
+      }
+    } catch (const std::exception& e) {
+      ok = false;
+      const std::string text = e.what();
+      const bool silent = text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos;
+      fail(silent ? kSilent : kBroken, step.peer, text.substr(0, 2000));
+    }
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.in_flight.clear();
+      if (!ok) {
+        for (auto* work : {&received, &sent}) {
+          if (*work) {
+            (*work)->abort();
+            s.kept.push_back(*work);
+          }
+        }
+      }
+    }
+    if (!ok || !step.recv) continue;
+    if (step.combine == 2) {
+      if (m[0] == kFine) std::copy(g, g + kHeader + n, m);
+    } else {
+      if (m[0] == kFine && g[0] != kFine) std::copy(g, g + 3, m);
+      for (int64_t i = kHeader; i < kHeader + n; ++i) m[i] = std::max(m[i], g[i]);
+    }
+  }
+  if (m[0] != kFine) {
+    std::string text = "exchange " + std::to_string(job.seq) + ": " + describe(m, s.rank, local);
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.failed.empty()) s.failed = text;
+    return {kFailed, {}, text};
+  }
+  return {kOk, std::vector<int64_t>(m + kHeader, m + kHeader + n), ""};
+}
+
+void serve(std::shared_ptr<State> s) {
+  while (true) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(s->mu);
+      s->cv.wait(lock, [&] { return s->closing || !s->jobs.empty(); });
+      if (s->closing) break;
+      job = std::move(s->jobs.front());
+      s->jobs.pop_front();
+    }
+    Done d = exchange(*s, job);
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->done[job.seq] = std::move(d);
+    }
+    s->cv.notify_all();
+  }
+  c10::intrusive_ptr<c10d::Backend> backend;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    for (auto& job : s->jobs) s->done[job.seq] = {kClosedHere, {}, ""};
+    s->jobs.clear();
+    s->exited = true;
+    backend = std::move(s->backend);  // (released outside the lock: it joins gloo's threads)
+  }
+  s->cv.notify_all();
+}
+
+class Exchanger {
  public:
-  Channel(int fd, double timeout_s) : fd_(fd), timeout_s_(timeout_s) {}
+  Exchanger(c10::intrusive_ptr<c10d::Backend> backend, int64_t rank, int64_t size, double timeout_s,
+            double grace_s)
+      : s_(std::make_shared<State>()), timeout_s_(timeout_s) {
+    s_->backend = std::move(backend);
+    s_->rank = int(rank), s_->size = int(size);
+    s_->grace = milliseconds(int64_t(grace_s * 1000));
+    rounds_ = int64_t(schedule(int(rank), int(size)).size());
+    std::thread(serve, s_).detach();  // (it ends when closed; close() waits for it, bounded)
+  }
+  ~Exchanger() { close(0); }
+  Exchanger(const Exchanger&) = delete;
+  Exchanger& operator=(const Exchanger&) = delete;
 
   double timeout_s() const { return timeout_s_; }
-  int fileno() const { return closed_ ? -1 : fd_; }
-  int64_t waited_ns() const { return waited_ns_.load(); }
-  bool closed() const { return closed_.load(); }
-  int64_t ticket() { return ++tickets_; }
-  int64_t tickets() const { return tickets_.load(); }
+  // The most an exchange can take on this rank: the timeout, plus a grace period a round.
+  double budget_s() const {
+    return timeout_s_ + double(rounds_ + 1) * std::chrono::duration<double>(s_->grace).count();
+  }
+  int64_t ticket() { return ++s_->tickets; }
+  int64_t tickets() const { return s_->tickets.load(); }
+  int64_t waited_ns() const { return s_->waited_ns.load(); }
+  bool closed() {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    return s_->closing;
+  }
 
-  // Send one frame of ``values``; ``seq`` is its number (taken even if sending fails).
-  int post(const int64_t* values, uint32_t n, double timeout_s, int64_t& seq, int& err) {
-    std::string frame(4 + 8 * size_t(n), '\0');
-    std::memcpy(&frame[0], &n, 4);
-    if (n) std::memcpy(&frame[4], values, 8 * size_t(n));
-    auto lock = lock_without_gil(send_mu_);
-    seq = posted_++;
-    if (closed_) return kClosedHere;
-    size_t at = 0;
-    double deadline = -1;
-    while (at < frame.size()) {
-      ssize_t k = ::send(fd_, frame.data() + at, frame.size() - at, MSG_NOSIGNAL);
-      if (k >= 0) {
-        at += size_t(k);
-        continue;
-      }
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        err = errno;
-        return kOsError;
-      }
-      if (deadline < 0) deadline = now() + timeout_s;  // the peer has not read for a long time
-      int st = wait(POLLOUT, deadline, err);
-      if (st != kOk) return st;
-      if (closed_) return kClosedHere;
+  // Post an exchange of ``values``; ``seq`` is its number (taken even when closed).
+  int post(const int64_t* values, size_t n, double timeout_s, int64_t& seq) {
+    TORCH_CHECK(n < size_t(kTagBase), "ddp_fusion: a host group exchange of ", n, " values (at most ", kTagBase - 1, ")");
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      seq = s_->posted++;
+      if (s_->closing) return kClosedHere;
+      s_->jobs.push_back(Job{seq, std::vector<int64_t>(values, values + n), milliseconds(int64_t(timeout_s * 1000))});
     }
+    s_->cv.notify_all();
     return kOk;
   }
 
-  // The peer's values of exchange ``seq``, waited for up to ``timeout_s``.
-  int take(int64_t seq, double timeout_s, std::vector<int64_t>& out, int& err) {
-    auto lock = lock_without_gil(recv_mu_);
-    const double deadline = now() + timeout_s;
-    while (true) {
-      auto it = early_.find(seq);
-      if (it != early_.end()) {
-        out = std::move(it->second);
-        early_.erase(it);
-        return kOk;
+  // The max of exchange ``seq``, waited for up to ``timeout_s`` (the GIL released while
+  // it waits).
+  int take(int64_t seq, double timeout_s, std::vector<int64_t>& out, std::string& text) {
+    std::unique_lock<std::mutex> lock(s_->mu);
+    auto it = s_->done.find(seq);
+    if (it == s_->done.end()) {
+      const auto deadline = Clock::now() + milliseconds(int64_t(timeout_s * 1000));
+      const int64_t t0 = now_ns();
+      lock.unlock();
+      {
+        NoGil no_gil;  // (never with mu held: the lock is taken again below without the GIL)
+        std::unique_lock<std::mutex> wait(s_->mu);
+        s_->cv.wait_until(wait, deadline, [&] { return s_->done.count(seq) > 0 || s_->exited; });
       }
-      int st = receive(err);
-      if (st == kOk) continue;
-      if (st != kWouldBlock) return st;
-      st = wait(POLLIN, deadline, err);
-      if (st != kOk) return st;
+      lock.lock();
+      s_->waited_ns += now_ns() - t0;
+      it = s_->done.find(seq);
+      if (it == s_->done.end()) return s_->exited ? kClosedHere : kTimedOut;
     }
+    Done d = std::move(it->second);
+    s_->done.erase(it);
+    out = std::move(d.values);
+    text = std::move(d.text);
+    return d.status;
   }
 
-  // Whether exchange ``seq``'s values are here (reads what has arrived, never waits):
-  // kOk and ``here``, or why reading failed.
-  int arrived(int64_t seq, bool& here, int& err) {
-    auto lock = lock_without_gil(recv_mu_);
-    int st = receive(err);
-    here = early_.count(seq) > 0;
-    return (st == kOk || st == kWouldBlock || here) ? kOk : st;
+  // Whether exchange ``seq`` is done: taking it would not wait.
+  bool arrived(int64_t seq) {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    return s_->done.count(seq) > 0;
   }
 
-  // A relay's error frame, whole (after kErrorFrame), for the Python side to read.
-  std::string error_bytes() {
-    auto lock = lock_without_gil(recv_mu_);
-    return buf_;
-  }
-
-  // End this end: the peer (or relay) sees it close, and a wait on it here wakes.
-  void close() {
-    if (closed_.exchange(true)) return;
-    ::shutdown(fd_, SHUT_RDWR);
-    auto s = lock_without_gil(send_mu_);
-    auto r = lock_without_gil(recv_mu_);
-    ::close(fd_);
-  }
-
-  // In a forked child (a DataLoader worker): its copy of the socket closes, nothing else
-  // (no other thread of the parent is here; its locks may be held, and the parent's
-  // connection must stay up).
-  void close_in_child() {
-    if (!closed_.exchange(true)) ::close(fd_);
+  // End: exchanges not run fail with kClosedHere, the one in a round is aborted, and
+  // the thread ends (waited for up to ``wait_s``), releasing the gloo group.
+  void close(double wait_s) {
+    std::unique_lock<std::mutex> lock(s_->mu);
+    if (!s_->closing) {
+      s_->closing = true;
+      for (auto& work : s_->in_flight) work->abort();
+    }
+    lock.unlock();
+    s_->cv.notify_all();
+    if (wait_s > 0) {
+      NoGil no_gil;
+      std::unique_lock<std::mutex> wait(s_->mu);
+      s_->cv.wait_for(wait, std::chrono::duration<double>(wait_s), [&] { return s_->exited; });
+    }
   }
 
  private:
-  // Read what has arrived, without waiting (recv_mu_ held).
-  int receive(int& err) {
-    if (closed_) return kClosedHere;
-    if (error_frame_ && whole_error()) return kErrorFrame;
-    char data[1 << 16];
-    ssize_t k = ::recv(fd_, data, sizeof data, 0);
-    if (k < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return kWouldBlock;
-      err = errno;
-      return kOsError;
-    }
-    if (k == 0) return kPeerClosed;
-    buf_.append(data, size_t(k));
-    if (!error_frame_) parse();
-    if (error_frame_) return whole_error() ? kErrorFrame : kOk;
-    return kOk;
-  }
-
-  void parse() {
-    size_t at = 0;
-    while (buf_.size() - at >= 4) {
-      uint32_t count;
-      std::memcpy(&count, buf_.data() + at, 4);
-      if (count == kError) {
-        error_frame_ = true;
-        break;
-      }
-      const size_t end = at + 4 + 8 * size_t(count);
-      if (buf_.size() < end) break;
-      std::vector<int64_t> values(count);
-      if (count) std::memcpy(values.data(), buf_.data() + at + 4, 8 * size_t(count));
-      early_[read_++] = std::move(values);
-      at = end;
-    }
-    buf_.erase(0, at);
-  }
-
-  bool whole_error() const {
-    if (buf_.size() < 8) return false;
-    uint32_t n;
-    std::memcpy(&n, buf_.data() + 4, 4);
-    return buf_.size() >= 8 + size_t(n);
-  }
-
-  int wait(short events, double deadline, int& err) {
-    while (true) {
-      if (closed_) return kClosedHere;
-      const double left = deadline - now();
-      if (left <= 0) return kTimedOut;
-      pollfd pf{fd_, events, 0};
-      const int64_t t0 = now_ns();
-      int r;
-      {
-        NoGil no_gil;  // (only while it waits: a send or recv that does not block keeps it)
-        r = ::poll(&pf, 1, int(std::min(left * 1000.0 + 1.0, 2.0e9)));
-      }
-      waited_ns_ += now_ns() - t0;
-      if (r > 0) return kOk;  // (ready, or closed or failed: the next call says which)
-      if (r < 0 && errno != EINTR) {
-        err = errno;
-        return kOsError;
-      }
-    }
-  }
-
-  const int fd_;
+  std::shared_ptr<State> s_;
   const double timeout_s_;
-  std::atomic<bool> closed_{false};
-  std::atomic<int64_t> tickets_{0};
-  std::atomic<int64_t> waited_ns_{0};  // in poll, all told
-  std::mutex send_mu_, recv_mu_;
-  int64_t posted_ = 0;  // send_mu_
-  int64_t read_ = 0;    // recv_mu_, as the rest below
-  std::string buf_;     // received, not yet a whole frame
-  std::unordered_map<int64_t, std::vector<int64_t>> early_;
-  bool error_frame_ = false;
+  int64_t rounds_ = 0;
 };
 
 // -- the plan ops' steady path -----------------------------------------------------
 
-// A check started by the C++ start, for its guard: the exchange's channel and number,
-// its ticket, and the divisor the start returned.
+// A check started by the C++ start, for its guard: the exchanger and the exchange's
+// number, its ticket, and the divisor the start returned.
 struct Pending {
-  std::shared_ptr<Channel> channel;
+  std::shared_ptr<Exchanger> channel;
   int64_t seq = 0, ticket = 0;
   double divisor = 1;
 };
 
 struct Steady {
-  std::shared_ptr<Channel> channel;
+  std::shared_ptr<Exchanger> channel;
   double divisor = 1;  // of an "avg" bucket
   std::unordered_set<int64_t> plans;  // hashes of the plans marked steady
   // plan -> this step's check, started in C++: the guard collects it (the Python guard
@@ -308,7 +399,7 @@ at::Tensor plan_check_start(c10::string_view group_name, c10::string_view plan, 
                             c10::string_view reduce_op) {
   const int64_t t0 = now_ns();
   const std::string name(group_name);
-  std::shared_ptr<Channel> channel;
+  std::shared_ptr<Exchanger> channel;
   double d = 1;
   {
     std::lock_guard<std::mutex> lock(registry_mu());
@@ -328,12 +419,11 @@ at::Tensor plan_check_start(c10::string_view group_name, c10::string_view plan, 
   }
   const int64_t values[2] = {h, -h};
   int64_t seq = 0;
-  int err = 0;
   const int64_t ticket = channel->ticket();
-  const int st = channel->post(values, 2, channel->timeout_s(), seq, err);
+  const int st = channel->post(values, 2, channel->timeout_s(), seq);
   if (st != kOk) {  // the Python side says why (it posts nothing: this exchange took its number)
     py::gil_scoped_acquire gil;
-    (*g_py_start_failed)(name, st, err);
+    (*g_py_start_failed)(name, st);
     TORCH_CHECK(false, "ddp_fusion: the plan check's exchange could not be posted (status ", st, ")");
   }
   {
@@ -366,11 +456,11 @@ at::Tensor plan_guard(const at::Tensor& token, c10::string_view group_name, int6
     py::gil_scoped_acquire gil;
     return (*g_py_guard)(token, name, h, std::string(reduce_op), device).cast<at::Tensor>();
   }
-  std::vector<int64_t> theirs;
-  int err = 0;
+  std::vector<int64_t> top;
+  std::string text;
   const int64_t waited = p.channel->waited_ns();
-  const int st = p.channel->take(p.seq, p.channel->timeout_s(), theirs, err);
-  if (st == kOk && theirs.size() == 2 && std::max(h, theirs[0]) == h && std::max(-h, theirs[1]) == -h) {
+  const int st = p.channel->take(p.seq, p.channel->budget_s(), top, text);
+  if (st == kOk && top.size() == 2 && top[0] == h && top[1] == -h) {
     at::Tensor out = divisor_tensor(p.divisor, reduce_op, device);
     ++g_guards;
     g_guard_wait_ns += p.channel->waited_ns() - waited;
@@ -378,43 +468,35 @@ at::Tensor plan_guard(const at::Tensor& token, c10::string_view group_name, int6
     return out;
   }
   py::gil_scoped_acquire gil;
-  return (*g_py_failed)(token, name, h, std::string(reduce_op), device, p.seq, p.ticket, st, theirs, err)
+  return (*g_py_failed)(token, name, h, std::string(reduce_op), device, p.seq, p.ticket, st, top, text)
       .cast<at::Tensor>();
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<Channel, std::shared_ptr<Channel>>(m, "Channel")
-      .def(py::init<int, double>(), py::arg("fd"), py::arg("timeout_s"))
-      .def("ticket", &Channel::ticket)
-      .def("tickets", &Channel::tickets)
+  py::class_<Exchanger, std::shared_ptr<Exchanger>>(m, "Exchanger")
+      .def(py::init<c10::intrusive_ptr<c10d::Backend>, int64_t, int64_t, double, double>(), py::arg("backend"),
+           py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("grace_s"))
+      .def("ticket", &Exchanger::ticket)
+      .def("tickets", &Exchanger::tickets)
+      .def("budget_s", &Exchanger::budget_s)
       .def("post",
-           [](Channel& c, const std::vector<int64_t>& values, double timeout_s) {
+           [](Exchanger& x, const std::vector<int64_t>& values, double timeout_s) {
              int64_t seq = 0;
-             int err = 0;
-             const int st = c.post(values.data(), uint32_t(values.size()), timeout_s, seq, err);
-             return std::make_tuple(st, seq, err);
+             const int st = x.post(values.data(), values.size(), timeout_s, seq);
+             return std::make_tuple(st, seq);
            })
       .def("take",
-           [](Channel& c, int64_t seq, double timeout_s) {
+           [](Exchanger& x, int64_t seq, double timeout_s) {
              std::vector<int64_t> out;
-             int err = 0;
-             const int st = c.take(seq, timeout_s, out, err);
-             return std::make_tuple(st, out, err);
+             std::string text;
+             const int st = x.take(seq, timeout_s, out, text);
+             return std::make_tuple(st, out, text);
            })
-      .def("arrived",
-           [](Channel& c, int64_t seq) {
-             bool here = false;
-             int err = 0;
-             const int st = c.arrived(seq, here, err);
-             return std::make_tuple(st, here, err);
-           })
-      .def("error_bytes", [](Channel& c) { return py::bytes(c.error_bytes()); })
-      .def("close", &Channel::close)
-      .def("close_in_child", &Channel::close_in_child)
-      .def("fileno", &Channel::fileno)
-      .def_property_readonly("closed", &Channel::closed);
+      .def("arrived", &Exchanger::arrived)
+      .def("close", &Exchanger::close, py::arg("wait_s") = 0.0)
+      .def_property_readonly("closed", &Exchanger::closed);
 
   m.def("register_kernels", [](py::object start, py::object guard, py::object start_failed, py::object failed) {
     if (g_lib != nullptr) return;
@@ -437,7 +519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_lib = nullptr;
   });
   m.def("kernels_registered", []() { return g_lib != nullptr; });
-  m.def("mark_steady", [](const std::string& group_name, std::shared_ptr<Channel> channel, int64_t h,
+  m.def("mark_steady", [](const std::string& group_name, std::shared_ptr<Exchanger> channel, int64_t h,
                           double divisor) {
     std::lock_guard<std::mutex> lock(registry_mu());
     auto& s = registry()[group_name];
