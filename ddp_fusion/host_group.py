@@ -29,11 +29,12 @@ thread of the host group's own (``csrc/host_check.cpp``'s ``Exchanger``, built b
 ``_native.py``), which never takes the GIL: on a thread of this process's Python, each
 round would wait for the GIL, which the main thread holds while it runs backward (up
 to Python's switch interval, 5 ms, a round). Where the C++ part is not built, the same
-rounds and messages run in Python on the group's thread (:meth:`HostGroup._max`), and
+rounds and messages run in Python on the group's thread (:class:`PythonRounds`), and
 ranks with and without it work together. A rank whose round fails (its peer's process
 ended, or it sent nothing within the model group's timeout) goes on with its other
 rounds carrying the failure, so every rank's exchange fails at once with the same
-reason, and every later exchange of the group fails with it. Nothing but gloo moves
+reason, and every later exchange of the group fails with it (running its rounds, so that
+a peer that missed it hears of it). Nothing but gloo moves
 the bytes: no process, socket or protocol of ddp_fusion's own.
 
 The gloo group is made over the default store, under a prefix named after the model's
@@ -206,7 +207,7 @@ class HostGroup:
         :class:`HostGroupError` if it does not complete within ``connect_s``."""
         exchange = self._max_async([0], datetime.timedelta(seconds=connect_s))
         try:
-            exchange.result(timeout=connect_s + GRACE_S * (len(peers(self.rank, self.size)) + 1))
+            exchange.result(timeout=connect_s + GRACE_S * (self.size.bit_length() + 2))
             return
         except concurrent.futures.TimeoutError:
             why = f"no answer within {connect_s:g} s"
@@ -241,9 +242,10 @@ class HostGroup:
         return self._ended is not None
 
     def end(self, why: str, wait_s: float = 0.0) -> None:
-        """End the host group: no exchange can be asked for any more; one not yet run
-        fails, and the threads stop (waited for up to ``wait_s``), the gloo group with
-        them."""
+        """End the host group: no exchange can be asked for any more; the C++ thread
+        aborts its round in flight and fails those not yet run, the Python one stops after
+        the exchanges already asked for (both waited for up to ``wait_s``), and the gloo
+        group goes with them."""
         with self._lock:
             if self._ended is None:
                 self._ended = why
@@ -387,25 +389,24 @@ class PythonRounds:
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
-        self._failed: str | None = None  # the first failure: every later exchange fails with it
+        self._failed: str | None = None  # the first failure: every later exchange fails with it,
+        self._failure = (FINE, -1, -1)  # and carries its header to the peers
         self._exchanges = 0
         self._kept: list[Any] = []  # (the works of failed rounds, with their tensors)
 
     def run(self, pg: Any, values: list[int], timeout: datetime.timedelta) -> list[int]:
         """The max of ``values`` over the ranks of the gloo group ``pg``."""
         seq, self._exchanges = self._exchanges, self._exchanges + 1
-        if self._failed is not None:
-            raise ConnectionError(self._failed)
         n = len(values)
         if n >= TAG_BASE:
             raise ValueError(f"ddp_fusion: a host group exchange of {n} values (at most {TAG_BASE - 1})")
-        mine = torch.tensor([FINE, -1, -1, n, *values], dtype=torch.int64)  # host-side on purpose
+        mine = torch.tensor([*self._failure, n, *values], dtype=torch.int64)  # host-side on purpose
         got = torch.empty_like(mine)
         m, g = mine.numpy(), got.numpy()
         local = None
         start = time.monotonic()
-        for k, (peer, send, recv, combine) in enumerate(schedule(self.rank, self.size)):
-            deadline = start + timeout.total_seconds() + k * GRACE_S
+        for peer, send, recv, combine, k in schedule(self.rank, self.size):
+            deadline = start + min(timeout.total_seconds(), 1e9) + k * GRACE_S
             works = []
             try:
                 if recv:
@@ -419,7 +420,8 @@ class PythonRounds:
             except Exception as e:  # noqa: BLE001 - carried to the later peers, then raised
                 self._kept += works
                 if m[0] == FINE:
-                    m[:3] = (SILENT if "imed out" in str(e) else BROKEN, self.rank, peer)
+                    silent = "imed out" in str(e) or "imeout" in str(e)
+                    m[:3] = (SILENT if silent else BROKEN, self.rank, peer)
                     local = (f"group rank {self.rank} could not exchange with group rank {peer}: "
                              f"{type(e).__name__}: {str(e)[:2000]}")
                 continue
@@ -432,10 +434,12 @@ class PythonRounds:
                 if m[0] == FINE and g[0] != FINE:
                     m[:3] = g[:3]
                 np.maximum(m[HEADER:], g[HEADER:], out=m[HEADER:])
+        if self._failed is not None:
+            raise ConnectionError(self._failed)
         if m[0] != FINE:
             kind, origin, peer = (int(v) for v in m[:3])
             why = local if origin == self.rank and local else _failure(kind, origin, peer)
-            self._failed = f"exchange {seq}: {why}"
+            self._failed, self._failure = f"exchange {seq}: {why}", (kind, origin, peer)
             raise ConnectionError(self._failed)
         return m[HEADER:].tolist()
 
@@ -488,18 +492,24 @@ class NativeMax:
                  taken: Callable[[], list[int]] | None = None) -> None:
         self._exchanger, self._seq = exchanger, seq
         self._taken = taken  # (the max, or its error, as the C++ kernel took it)
+        self._outcome: tuple[int, list[int], str] | None = None  # (taken once, kept)
 
     def done(self) -> bool:
         """Whether :meth:`result` would not wait."""
-        return self._exchanger.core.arrived(self._seq)
+        return self._taken is not None or self._outcome is not None or self._exchanger.core.arrived(self._seq)
 
     def result(self, timeout: float | None = None) -> list[int]:
         """The element-wise max, waited for (up to ``timeout`` seconds, else as long as
-        the exchange can take); raises where it failed on any rank."""
+        the exchange and those queued before it can take); raises where it failed on
+        any rank."""
         if self._taken is not None:
             return self._taken()
-        limit = self._exchanger.core.budget_s() if timeout is None else timeout
-        status, values, text = self._exchanger.core.take(self._seq, limit)
+        if self._outcome is None:
+            outcome = self._exchanger.core.take(self._seq, -1.0 if timeout is None else timeout)
+            if outcome[0] == TIMED_OUT:  # (not done yet: it may still be taken later)
+                raise self._exchanger.error(TIMED_OUT, "")
+            self._outcome = outcome
+        status, values, text = self._outcome
         if status != OK:
             raise self._exchanger.error(status, text)
         return list(values)
@@ -533,18 +543,21 @@ def native_loaded() -> Any | None:
     return _native.loaded()
 
 
-def schedule(rank: int, size: int) -> list[tuple[int, bool, bool, int]]:
+def schedule(rank: int, size: int) -> list[tuple[int, bool, bool, int, int]]:
     """The rounds of a max over ``size`` ranks from ``rank``: ``(peer, send, receive,
-    combine)``, combine 1 taking the max with the peer's values, 2 taking the peer's as
-    the result. The ranks above the largest power of two p fold into ``rank - p`` first
-    and take its result at the end; below p, one peer per round (``rank ^ 2**i``), as
+    combine, round)``, combine 1 taking the max with the peer's values, 2 taking the
+    peer's as the result; ``round`` numbers a message alike on both of its ranks (it
+    sets the message's deadline). The ranks above the largest power of two p fold into
+    ``rank - p`` first (round 0) and take its result at the end (round log2 p + 1);
+    below p, one peer per round (``rank ^ 2**i``, round i + 1), as
     ``csrc/host_check.cpp``'s ``schedule``."""
     p = 1 << (size.bit_length() - 1)
+    last = p.bit_length()
     if rank >= p:
-        return [(rank - p, True, False, 0), (rank - p, False, True, 2)]
-    steps = [(rank + p, False, True, 1)] if rank + p < size else []
-    steps += [(rank ^ (1 << i), True, True, 1) for i in range(p.bit_length() - 1)]
-    return steps + ([(rank + p, True, False, 0)] if rank + p < size else [])
+        return [(rank - p, True, False, 0, 0), (rank - p, False, True, 2, last)]
+    steps = [(rank + p, False, True, 1, 0)] if rank + p < size else []
+    steps += [(rank ^ (1 << i), True, True, 1, i + 1) for i in range(last - 1)]
+    return steps + ([(rank + p, True, False, 0, last)] if rank + p < size else [])
 
 
 def peers(rank: int, size: int) -> list[int]:
@@ -556,7 +569,8 @@ def _failure(kind: int, origin: int, peer: int) -> str:
     """Why an exchange failed, as a message from group rank ``origin`` says it."""
     what = ("it sent or read nothing in time (it died, is stuck before this exchange, or asked for "
             "an exchange of another length)" if kind == SILENT
-            else "the connection failed (its process ended?)")
+            else "the connection failed (its process ended, or a wait of its timed out: gloo then "
+                 "closes all its connections)")
     return f"group rank {origin} could not exchange with group rank {peer}: {what}"
 
 

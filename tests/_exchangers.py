@@ -42,6 +42,8 @@ class Rank:
 
     def leave(self):
         """The rank's process ends: its gloo group (its connections) goes."""
+        if self.pg is None:
+            return
         if self.x is not None:
             self.x.close(2.0)
         else:
@@ -66,8 +68,23 @@ def ranks(kinds, timeout_s=10.0):
     for t in threads:
         t.join()
     timeout = datetime.timedelta(seconds=timeout_s)
-    return [Rank(pg, r, size, cpp, timeout) for r, (pg, cpp) in enumerate(zip(pgs, kinds))]
+    made = [Rank(pg, r, size, cpp, timeout) for r, (pg, cpp) in enumerate(zip(pgs, kinds))]
+    _made.extend(made)
+    return made
 
 
+_made: list[Rank] = []
+
+
+def leave_all():
+    """Every rank :func:`ranks` made leaves (their threads stop, their gloo groups go)."""
+    while _made:
+        _made.pop().leave()
+
+
+# which ranks run the C++ rounds: all, none, every other one (a C++ rank and a Python
+# one meet in the first round of recursive doubling), the lower half (they meet in the
+# fold and in the later rounds)
 KINDS = {"cpp": lambda n: [True] * n, "python": lambda n: [False] * n,
-         "mixed": lambda n: [r % 2 == 0 for r in range(n)]}
+         "mixed": lambda n: [r % 2 == 0 for r in range(n)],
+         "halves": lambda n: [r < (n + 1) // 2 for r in range(n)]}

@@ -71,11 +71,12 @@ class _Work:
 
     def wait(self, timeout=None):
         self._done()
+        return True
 
 
 class _Transport:
     """Point-to-point messages between N simulated ranks (threads), each carrying its
-    sender's hop count, as ``HostGroup._max`` sends them through gloo."""
+    sender's hop count, as ``host_group.PythonRounds`` sends them through gloo."""
 
     def __init__(self, size):
         self.boxes = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
@@ -106,10 +107,8 @@ def _simulated_max(size: int, values: list[list[int]]) -> tuple[list[list[int]],
     results: list = [None] * size
 
     def run(rank):
-        host = object.__new__(host_group.HostGroup)
-        host.rank, host.size = rank, size
-        results[rank] = host._max(transport.rank(rank), np.array(values[rank], dtype=np.int64),
-                                  datetime.timedelta(seconds=10))
+        rounds = host_group.PythonRounds(rank, size)
+        results[rank] = rounds.run(transport.rank(rank), list(values[rank]), datetime.timedelta(seconds=10))
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
     for t in threads:

@@ -10,7 +10,7 @@ import torch
 
 from ddp_fusion import PlanMismatchError, plan_check
 
-from _exchangers import native as _native, ranks as _ranks
+from _exchangers import leave_all, native as _native, ranks as _ranks
 
 GROUP = "test_native"
 H = 0x1234_5678_9ABC
@@ -47,8 +47,7 @@ def steady(monkeypatch):
     native.forget(GROUP)
     while native.take_pending(GROUP, H) is not None:
         pass
-    mine.close(2.0)
-    peer.leave()
+    leave_all()
 
 
 def _start():

@@ -15,11 +15,11 @@
 //   exchange failed at group rank ``origin`` (with ``peer``), tagged with its length;
 //   a rank that fails goes on
 //   with its remaining rounds carrying that, so every rank hears of it at once rather
-//   than after its own timeout. A failed exchange fails every later one of the group.
-//   Every wait of round k ends at the exchange's start + the timeout + k grace periods
-//   (a rank whose earlier round timed out still reaches the later ranks in time).
-//   host_group.HostGroup._max runs the same rounds and messages in Python, where this
-//   part cannot be built: ranks with and without it work together.
+//   than after its own timeout. A failed exchange fails every later one of the group
+//   (which still run their rounds, carrying it). Every wait of round k ends at the
+//   exchange's start + the timeout + k grace periods (round k numbered alike on both
+//   ranks of a message). host_group.PythonRounds runs the same rounds and messages in
+//   Python, where this part cannot be built: ranks with and without it work together.
 //
 // * Kernels of ddp_fusion::plan_check_start and ddp_fusion::plan_guard for a steady
 //   step: a (group, plan hash) that the Python ops have run and checked once, and then
@@ -91,26 +91,37 @@ struct NoGil {
 };
 
 // The rounds of a max over ``size`` ranks as seen from ``rank``: (peer, send, receive,
-// combine), combine 1 = max, 2 = take the peer's message as the result.
+// combine, round), combine 1 = max, 2 = take the peer's message as the result; round:
+// the same number on both ranks of a message (fold-in 0, recursive doubling 1..log2 p,
+// fold-out log2 p + 1), which sets its deadline.
 struct Step {
   int peer;
   bool send, recv;
   int combine;
+  int round;
 };
 
 std::vector<Step> schedule(int rank, int size) {
-  int p = 1;
-  while (p * 2 <= size) p *= 2;  // the largest power of two <= size
+  int p = 1, last = 1;
+  while (p * 2 <= size) p *= 2, ++last;  // the largest power of two <= size; log2 p + 1
   std::vector<Step> steps;
   if (rank >= p) {  // fold into rank - p, then take its result
-    steps.push_back({rank - p, true, false, 0});
-    steps.push_back({rank - p, false, true, 2});
+    steps.push_back({rank - p, true, false, 0, 0});
+    steps.push_back({rank - p, false, true, 2, last});
     return steps;
   }
-  if (rank + p < size) steps.push_back({rank + p, false, true, 1});
-  for (int mask = 1; mask < p; mask <<= 1) steps.push_back({rank ^ mask, true, true, 1});
-  if (rank + p < size) steps.push_back({rank + p, true, false, 0});
+  if (rank + p < size) steps.push_back({rank + p, false, true, 1, 0});
+  int round = 1;
+  for (int mask = 1; mask < p; mask <<= 1) steps.push_back({rank ^ mask, true, true, 1, round++});
+  if (rank + p < size) steps.push_back({rank + p, true, false, 0, last});
   return steps;
+}
+
+// The rounds' last number (see Step::round).
+int last_round(int size) {
+  int last = 1;
+  for (int p = 1; p * 2 <= size; p *= 2) ++last;
+  return last;
 }
 
 struct Job {
@@ -118,6 +129,12 @@ struct Job {
   std::vector<int64_t> values;
   milliseconds timeout;
 };
+
+// A timeout as milliseconds, at most about 30 years (steady_clock's nanoseconds hold
+// 292 years from now: a larger one, timedelta.max say, would wrap).
+milliseconds to_ms(double seconds) {
+  return milliseconds(int64_t(std::min(std::max(seconds, 0.0), 1.0e9) * 1000.0));
+}
 
 struct Done {
   int status = kOk;
@@ -132,7 +149,10 @@ struct State {
   std::unordered_map<int64_t, Done> done;
   int64_t posted = 0;
   bool closing = false, exited = false;
-  std::string failed;  // the first failure: every later exchange fails with it
+  std::string failed;  // the first failure: every later exchange fails with it,
+  int64_t failure[3] = {kFine, -1, -1};  // and carries its header to the peers
+  Clock::time_point latest{};  // when the last exchange posted must be done by
+  std::unordered_map<int64_t, Clock::time_point> deadlines;  // seq -> that, per exchange
   std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;  // the round's, for close() to abort
   // (after a failure: the works of failed rounds, kept with their tensors, which gloo
   // may still write into)
@@ -149,23 +169,30 @@ std::string describe(const int64_t* m, int rank, const std::string& local) {
   if (origin == rank && !local.empty()) return local;
   const char* what = kind == kSilent ? "it sent or read nothing in time (it died, is stuck before this exchange, "
                                       "or asked for an exchange of another length)"
-                                    : "the connection failed (its process ended?)";
+                                    : "the connection failed (its process ended, or a wait of its timed out: "
+                                      "gloo then closes all its connections)";
   return "group rank " + std::to_string(origin) + " could not exchange with group rank " + std::to_string(peer) +
          ": " + what;
 }
 
-// One exchange, on the exchanger's thread.
+// One exchange, on the exchanger's thread. After a failure, every later exchange runs
+// its rounds carrying the failure (so a peer that missed it hears of it, rather than
+// waiting for this rank until its timeout) and fails with it.
 Done exchange(State& s, Job& job) {
+  std::string earlier;
+  int64_t failure[3];
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    if (!s.failed.empty()) return {kFailed, {}, s.failed};
+    earlier = s.failed;
+    std::copy(s.failure, s.failure + 3, failure);
   }
   const int64_t n = int64_t(job.values.size());
   auto opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor mine = at::empty({kHeader + n}, opts), got = at::empty({kHeader + n}, opts);
   int64_t* m = mine.data_ptr<int64_t>();
   const int64_t* g = got.data_ptr<int64_t>();
-  m[0] = kFine, m[1] = -1, m[2] = -1, m[3] = n;
+  std::copy(failure, failure + 3, m);
+  m[3] = n;
   std::copy(job.values.begin(), job.values.end(), m + kHeader);
   std::string local;  // this rank's own failure, as gloo worded it
   auto fail = [&](Kind kind, int peer, const std::string& text) {
@@ -175,9 +202,8 @@ Done exchange(State& s, Job& job) {
             ": " + text;
   };
   const auto start = Clock::now();
-  int round = 0;
   for (const Step& step : schedule(s.rank, s.size)) {
-    const auto deadline = start + job.timeout + round++ * s.grace;
+    const auto deadline = start + job.timeout + step.round * s.grace;
     std::vector<at::Tensor> out{mine}, in{got};
     c10::intrusive_ptr<c10d::Work> sent, received;
     bool ok = true;
@@ -221,10 +247,14 @@ Done exchange(State& s, Job& job) {
       for (int64_t i = kHeader; i < kHeader + n; ++i) m[i] = std::max(m[i], g[i]);
     }
   }
+  if (!earlier.empty()) return {kFailed, {}, earlier};
   if (m[0] != kFine) {
     std::string text = "exchange " + std::to_string(job.seq) + ": " + describe(m, s.rank, local);
     std::lock_guard<std::mutex> lock(s.mu);
-    if (s.failed.empty()) s.failed = text;
+    if (s.failed.empty()) {
+      s.failed = text;
+      std::copy(m, m + 3, s.failure);
+    }
     return {kFailed, {}, text};
   }
   return {kOk, std::vector<int64_t>(m + kHeader, m + kHeader + n), ""};
@@ -248,12 +278,19 @@ void serve(std::shared_ptr<State> s) {
     s->cv.notify_all();
   }
   c10::intrusive_ptr<c10d::Backend> backend;
+  std::vector<c10::intrusive_ptr<c10d::Work>> kept;
   {
     std::lock_guard<std::mutex> lock(s->mu);
     for (auto& job : s->jobs) s->done[job.seq] = {kClosedHere, {}, ""};
     s->jobs.clear();
+    backend = std::move(s->backend);
+    kept = std::move(s->kept);
+  }
+  kept.clear();  // (outside the lock: the gloo group may go with them, joining its threads)
+  backend.reset();
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
     s->exited = true;
-    backend = std::move(s->backend);  // (released outside the lock: it joins gloo's threads)
   }
   s->cv.notify_all();
 }
@@ -265,8 +302,8 @@ class Exchanger {
       : s_(std::make_shared<State>()), timeout_s_(timeout_s) {
     s_->backend = std::move(backend);
     s_->rank = int(rank), s_->size = int(size);
-    s_->grace = milliseconds(int64_t(grace_s * 1000));
-    rounds_ = int64_t(schedule(int(rank), int(size)).size());
+    s_->grace = to_ms(grace_s);
+    rounds_ = last_round(int(size));
     std::thread(serve, s_).detach();  // (it ends when closed; close() waits for it, bounded)
   }
   ~Exchanger() { close(0); }
@@ -274,9 +311,10 @@ class Exchanger {
   Exchanger& operator=(const Exchanger&) = delete;
 
   double timeout_s() const { return timeout_s_; }
-  // The most an exchange can take on this rank: the timeout, plus a grace period a round.
-  double budget_s() const {
-    return timeout_s_ + double(rounds_ + 1) * std::chrono::duration<double>(s_->grace).count();
+  // The most an exchange of ``timeout_s`` can take on this rank once it starts: the
+  // timeout, plus a grace period a round, and one more.
+  double budget_s(double timeout_s) const {
+    return std::min(timeout_s, 1.0e9) + double(rounds_ + 1) * std::chrono::duration<double>(s_->grace).count();
   }
   int64_t ticket() { return ++s_->tickets; }
   int64_t tickets() const { return s_->tickets.load(); }
@@ -286,26 +324,32 @@ class Exchanger {
     return s_->closing;
   }
 
-  // Post an exchange of ``values``; ``seq`` is its number (taken even when closed).
+  // Post an exchange of ``values``; ``seq`` is its number (taken even when closed). It
+  // must be done by the time the exchanges before it may take, plus its own budget.
   int post(const int64_t* values, size_t n, double timeout_s, int64_t& seq) {
     TORCH_CHECK(n < size_t(kTagBase), "ddp_fusion: a host group exchange of ", n, " values (at most ", kTagBase - 1, ")");
     {
       std::lock_guard<std::mutex> lock(s_->mu);
       seq = s_->posted++;
       if (s_->closing) return kClosedHere;
-      s_->jobs.push_back(Job{seq, std::vector<int64_t>(values, values + n), milliseconds(int64_t(timeout_s * 1000))});
+      s_->jobs.push_back(Job{seq, std::vector<int64_t>(values, values + n), to_ms(timeout_s)});
+      s_->latest = std::max(s_->latest, Clock::now()) + to_ms(budget_s(timeout_s));
+      s_->deadlines[seq] = s_->latest;
     }
     s_->cv.notify_all();
     return kOk;
   }
 
-  // The max of exchange ``seq``, waited for up to ``timeout_s`` (the GIL released while
-  // it waits).
+  // The max of exchange ``seq``, waited for up to ``timeout_s`` (negative: as long as it
+  // can take, queued behind the exchanges before it), the GIL released while it waits.
   int take(int64_t seq, double timeout_s, std::vector<int64_t>& out, std::string& text) {
     std::unique_lock<std::mutex> lock(s_->mu);
     auto it = s_->done.find(seq);
+    auto due = s_->deadlines.find(seq);
     if (it == s_->done.end()) {
-      const auto deadline = Clock::now() + milliseconds(int64_t(timeout_s * 1000));
+      const auto deadline = timeout_s >= 0 || due == s_->deadlines.end()
+                                ? Clock::now() + to_ms(std::max(timeout_s, 0.0))
+                                : due->second + s_->grace;
       const int64_t t0 = now_ns();
       lock.unlock();
       {
@@ -320,6 +364,7 @@ class Exchanger {
     }
     Done d = std::move(it->second);
     s_->done.erase(it);
+    s_->deadlines.erase(seq);
     out = std::move(d.values);
     text = std::move(d.text);
     return d.status;
@@ -359,13 +404,13 @@ class Exchanger {
 // A check started by the C++ start, for its guard: the exchanger and the exchange's
 // number, its ticket, and the divisor the start returned.
 struct Pending {
-  std::shared_ptr<Exchanger> channel;
+  std::shared_ptr<Exchanger> exchanger;
   int64_t seq = 0, ticket = 0;
   double divisor = 1;
 };
 
 struct Steady {
-  std::shared_ptr<Exchanger> channel;
+  std::shared_ptr<Exchanger> exchanger;
   double divisor = 1;  // of an "avg" bucket
   std::unordered_set<int64_t> plans;  // hashes of the plans marked steady
   // plan -> this step's check, started in C++: the guard collects it (the Python guard
@@ -399,7 +444,7 @@ at::Tensor plan_check_start(c10::string_view group_name, c10::string_view plan, 
                             c10::string_view reduce_op) {
   const int64_t t0 = now_ns();
   const std::string name(group_name);
-  std::shared_ptr<Exchanger> channel;
+  std::shared_ptr<Exchanger> exchanger;
   double d = 1;
   {
     std::lock_guard<std::mutex> lock(registry_mu());
@@ -407,20 +452,20 @@ at::Tensor plan_check_start(c10::string_view group_name, c10::string_view plan, 
     if (it != registry().end()) {
       // (a check left by a step whose backward failed before its guard: never collected)
       it->second.pending.erase(h);
-      if (it->second.plans.count(h) && !it->second.channel->closed()) {
-        channel = it->second.channel;
+      if (it->second.plans.count(h) && !it->second.exchanger->closed()) {
+        exchanger = it->second.exchanger;
         d = it->second.divisor;
       }
     }
   }
-  if (!channel) {
+  if (!exchanger) {
     py::gil_scoped_acquire gil;
     return (*g_py_start)(name, std::string(plan), h, device, std::string(reduce_op)).cast<at::Tensor>();
   }
   const int64_t values[2] = {h, -h};
   int64_t seq = 0;
-  const int64_t ticket = channel->ticket();
-  const int st = channel->post(values, 2, channel->timeout_s(), seq);
+  const int64_t ticket = exchanger->ticket();
+  const int st = exchanger->post(values, 2, exchanger->timeout_s(), seq);
   if (st != kOk) {  // the Python side says why (it posts nothing: this exchange took its number)
     py::gil_scoped_acquire gil;
     (*g_py_start_failed)(name, st);
@@ -428,7 +473,7 @@ at::Tensor plan_check_start(c10::string_view group_name, c10::string_view plan, 
   }
   {
     std::lock_guard<std::mutex> lock(registry_mu());
-    registry()[name].pending[h] = Pending{channel, seq, ticket, d};
+    registry()[name].pending[h] = Pending{exchanger, seq, ticket, d};
   }
   at::Tensor out = divisor_tensor(d, reduce_op, device);
   ++g_starts;
@@ -452,18 +497,18 @@ at::Tensor plan_guard(const at::Tensor& token, c10::string_view group_name, int6
       }
     }
   }
-  if (!p.channel) {  // not this path's start (or checked by the group's other guard): the Python op
+  if (!p.exchanger) {  // not this path's start (or checked by the group's other guard): the Python op
     py::gil_scoped_acquire gil;
     return (*g_py_guard)(token, name, h, std::string(reduce_op), device).cast<at::Tensor>();
   }
   std::vector<int64_t> top;
   std::string text;
-  const int64_t waited = p.channel->waited_ns();
-  const int st = p.channel->take(p.seq, p.channel->budget_s(), top, text);
+  const int64_t waited = p.exchanger->waited_ns();
+  const int st = p.exchanger->take(p.seq, -1, top, text);
   if (st == kOk && top.size() == 2 && top[0] == h && top[1] == -h) {
     at::Tensor out = divisor_tensor(p.divisor, reduce_op, device);
     ++g_guards;
-    g_guard_wait_ns += p.channel->waited_ns() - waited;
+    g_guard_wait_ns += p.exchanger->waited_ns() - waited;
     g_guard_ns += now_ns() - t0;
     return out;
   }
@@ -480,7 +525,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("grace_s"))
       .def("ticket", &Exchanger::ticket)
       .def("tickets", &Exchanger::tickets)
-      .def("budget_s", &Exchanger::budget_s)
+      .def("budget_s", &Exchanger::budget_s, py::arg("timeout_s"))
       .def("post",
            [](Exchanger& x, const std::vector<int64_t>& values, double timeout_s) {
              int64_t seq = 0;
@@ -519,19 +564,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_lib = nullptr;
   });
   m.def("kernels_registered", []() { return g_lib != nullptr; });
-  m.def("mark_steady", [](const std::string& group_name, std::shared_ptr<Exchanger> channel, int64_t h,
+  m.def("mark_steady", [](const std::string& group_name, std::shared_ptr<Exchanger> exchanger, int64_t h,
                           double divisor) {
     std::lock_guard<std::mutex> lock(registry_mu());
     auto& s = registry()[group_name];
-    if (s.channel != channel) {  // (a new host group of the name: the old one's plans go)
+    if (s.exchanger != exchanger) {  // (a new host group of the name: the old one's plans go)
       s.plans.clear();
-      s.channel = std::move(channel);
+      s.exchanger = std::move(exchanger);
     }
     s.divisor = divisor;
     s.plans.insert(h);
   });
   // No plan of the group (of any group) is steady any more; a check in flight is still
-  // collected by its guard (on a closed channel: an error, never a skipped check).
+  // collected by its guard (on a closed exchanger: an error, never a skipped check).
   m.def("forget", [](const std::string& group_name) {
     std::lock_guard<std::mutex> lock(registry_mu());
     auto it = registry().find(group_name);
@@ -542,7 +587,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     for (auto& kv : registry()) kv.second.plans.clear();
   });
   // The check of plan ``h`` the C++ start began and no guard has collected, taken:
-  // (channel, exchange number, ticket), or None.
+  // (exchanger, exchange number, ticket), or None.
   m.def("take_pending", [](const std::string& group_name, int64_t h) -> py::object {
     std::lock_guard<std::mutex> lock(registry_mu());
     auto it = registry().find(group_name);
@@ -551,7 +596,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (found == it->second.pending.end()) return py::none();
     Pending p = std::move(found->second);
     it->second.pending.erase(found);
-    return py::make_tuple(p.channel, p.seq, p.ticket);
+    return py::make_tuple(p.exchanger, p.seq, p.ticket);
   });
   m.def("pending", []() {
     std::lock_guard<std::mutex> lock(registry_mu());
