@@ -149,11 +149,13 @@ def test_a_silent_rank_fails_every_rank_after_the_timeout(kind):
 def test_exchanges_of_different_lengths_time_out_instead_of_mixing(kind):
     """gloo ends a process that receives a message longer than the buffer posted for it;
     a message of the max is tagged with its length, so ranks that ask for different
-    exchanges wait for each other's and time out, naming the peer."""
+    exchanges wait for each other's and fail after the timeout, naming the peer."""
     ranks = _ranks(KINDS[kind](2), timeout_s=0.5)
     exchanges = [ranks[0].post([1, 2]), ranks[1].post([1, 2, 3])]
     for e in exchanges:
-        with pytest.raises(ConnectionError, match="could not exchange with group rank [01]: .*[Tt]imed out"):
+        # (the first to time out closes its gloo group's connections: the other may see that)
+        with pytest.raises(ConnectionError, match="could not exchange with group rank [01]: .*"
+                                                  "([Tt]imed out|Connection closed by peer)"):
             e.result()
 
 
@@ -164,15 +166,17 @@ def test_a_30_day_timeout_works():
     assert [e.result() for e in [r.post([r.rank]) for r in ranks]] == [[1], [1]]
 
 
-def test_an_exchange_of_a_host_group_that_ends_fails_at_once():
-    """Closing the exchanger aborts the round in flight (its peer never came) and
-    fails what was posted after it, saying so."""
-    ranks = _ranks([True, True], timeout_s=600)
+@pytest.mark.parametrize("size", [2, 3])
+def test_an_exchange_of_a_host_group_that_ends_fails_at_once(size):
+    """Closing the exchanger aborts the round in flight (its peers never came) and
+    fails what was posted after it, saying so (a group of two runs its exchanges on the
+    callers' threads, a larger one on the exchanger's)."""
+    ranks = _ranks([True] * size, timeout_s=600)
     waiting, queued = ranks[0].post([1]), ranks[0].post([2])
     time.sleep(0.2)
     start = time.monotonic()
     ranks[0].x.close(5.0)
-    with pytest.raises(ConnectionError, match="its host group ended"):
+    with pytest.raises(ConnectionError, match="its host group (ended|has ended)"):
         waiting.result()
     with pytest.raises(ConnectionError, match="its host group"):
         queued.result()

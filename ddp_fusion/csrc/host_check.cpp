@@ -34,12 +34,16 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -72,6 +76,8 @@ enum Kind : int64_t { kFine = 0, kBroken = 1, kSilent = 2 };
 // exchanges of different lengths never match each other's messages (gloo ends the
 // process on a message longer than the buffer posted for it): they time out instead.
 constexpr int64_t kTagBase = int64_t(1) << 30;  // (host_group.TAG_BASE)
+// Exchanges of at most this many values receive into buffers posted ahead (Exchanger).
+constexpr int64_t kAheadMax = 16;
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
@@ -142,6 +148,21 @@ struct Done {
   std::string text;
 };
 
+// An exchange in its rounds, on the exchanger's thread. (Run by the caller itself in a
+// group of two, its one round's gloo calls took up to milliseconds on a busy host, in
+// gloo's locks: bench/results/host_group_gloo_cpu_2026-11-29.md.)
+struct Run {
+  Job job;
+  at::Tensor mine;
+  std::string earlier, local;  // the group's failure before it; this rank's own, as gloo worded it
+  Clock::time_point start;
+  std::vector<Step> steps;
+  size_t at = 0;  // the round in flight
+  std::vector<at::Tensor> in;  // its receive buffer
+  c10::intrusive_ptr<c10d::Work> sent, received;
+  bool ok = true;
+};
+
 struct State {
   std::mutex mu;
   std::condition_variable cv;  // a job posted, a job done, closing, exited
@@ -157,6 +178,10 @@ struct State {
   // (after a failure: the works of failed rounds, kept with their tensors, which gloo
   // may still write into)
   std::vector<c10::intrusive_ptr<c10d::Work>> kept;
+  // (peer, count) -> a receive posted ahead for the next exchange of that length (this
+  // thread's only), with its buffer: the peer's message then goes out as soon as the
+  // peer sends it, without first waiting to hear that this rank is ready for it
+  std::map<std::pair<int, int64_t>, std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> ahead;
   c10::intrusive_ptr<c10d::Backend> backend;
   int rank = 0, size = 1;
   milliseconds grace{2000};
@@ -175,63 +200,105 @@ std::string describe(const int64_t* m, int rank, const std::string& local) {
          ": " + what;
 }
 
-// One exchange, on the exchanger's thread. After a failure, every later exchange runs
-// its rounds carrying the failure (so a peer that missed it hears of it, rather than
-// waiting for this rank until its timeout) and fails with it.
-Done exchange(State& s, Job& job) {
-  std::string earlier;
-  int64_t failure[3];
+void track(State& s, const c10::intrusive_ptr<c10d::Work>& work, bool add) {
+  if (!work) return;
+  auto& v = s.in_flight;
+  if (add) {
+    v.push_back(work);
+  } else {
+    v.erase(std::remove(v.begin(), v.end(), work), v.end());
+  }
+}
+
+void fail(Run& r, State& s, int64_t kind, int peer, const std::string& text) {
+  int64_t* m = r.mine.data_ptr<int64_t>();
+  if (m[0] != kFine) return;
+  m[0] = kind, m[1] = s.rank, m[2] = peer;
+  r.local = "group rank " + std::to_string(s.rank) + " could not exchange with group rank " + std::to_string(peer) +
+            ": " + text;
+}
+
+// Post round ``r.at``'s messages (mu not held).
+void post_round(Run& r, State& s) {
+  const Step& step = r.steps[r.at];
+  const int64_t n = int64_t(r.job.values.size());
+  std::vector<at::Tensor> out{r.mine};
+  r.in.clear();
+  r.sent.reset(), r.received.reset();
+  r.ok = true;
+  try {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.closing) throw std::runtime_error("its host group ended");
+    if (step.recv) {
+      auto ahead = s.ahead.find({step.peer, n});
+      if (ahead != s.ahead.end()) {
+        r.in.push_back(ahead->second.first);
+        r.received = ahead->second.second;
+        s.ahead.erase(ahead);
+      } else {
+        r.in.push_back(at::empty({kHeader + n}, at::TensorOptions().dtype(at::kLong)));
+        r.received = s.backend->recv(r.in, step.peer, int(kTagBase + n));
+      }
+    }
+    if (step.send) r.sent = s.backend->send(out, step.peer, int(kTagBase + n));
+    track(s, r.received, true);
+    track(s, r.sent, true);
+  } catch (const std::exception& e) {
+    r.ok = false;
+    fail(r, s, kBroken, step.peer, std::string(e.what()).substr(0, 2000));
+  }
+}
+
+Run begin(State& s, Job job) {
+  Run r;
+  r.job = std::move(job);
+  const int64_t n = int64_t(r.job.values.size());
+  r.mine = at::empty({kHeader + n}, at::TensorOptions().dtype(at::kLong));
+  int64_t* m = r.mine.data_ptr<int64_t>();
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    earlier = s.failed;
-    std::copy(s.failure, s.failure + 3, failure);
+    r.earlier = s.failed;
+    std::copy(s.failure, s.failure + 3, m);
   }
-  const int64_t n = int64_t(job.values.size());
-  auto opts = at::TensorOptions().dtype(at::kLong);
-  at::Tensor mine = at::empty({kHeader + n}, opts), got = at::empty({kHeader + n}, opts);
-  int64_t* m = mine.data_ptr<int64_t>();
-  const int64_t* g = got.data_ptr<int64_t>();
-  std::copy(failure, failure + 3, m);
   m[3] = n;
-  std::copy(job.values.begin(), job.values.end(), m + kHeader);
-  std::string local;  // this rank's own failure, as gloo worded it
-  auto fail = [&](Kind kind, int peer, const std::string& text) {
-    if (m[0] != kFine) return;
-    m[0] = kind, m[1] = s.rank, m[2] = peer;
-    local = "group rank " + std::to_string(s.rank) + " could not exchange with group rank " + std::to_string(peer) +
-            ": " + text;
-  };
-  const auto start = Clock::now();
-  for (const Step& step : schedule(s.rank, s.size)) {
-    const auto deadline = start + job.timeout + step.round * s.grace;
-    std::vector<at::Tensor> out{mine}, in{got};
-    c10::intrusive_ptr<c10d::Work> sent, received;
-    bool ok = true;
-    try {
-      if (step.recv) received = s.backend->recv(in, step.peer, int(kTagBase + n));
-      if (step.send) sent = s.backend->send(out, step.peer, int(kTagBase + n));
-      {
-        std::lock_guard<std::mutex> lock(s.mu);
-        if (s.closing) throw std::runtime_error("its host group ended");
-        if (received) s.in_flight.push_back(received);
-        if (sent) s.in_flight.push_back(sent);
+  std::copy(r.job.values.begin(), r.job.values.end(), m + kHeader);
+  r.start = Clock::now();
+  r.steps = schedule(s.rank, s.size);
+  if (!r.steps.empty()) post_round(r, s);
+  return r;
+}
+
+// Wait for the round in flight, take in what came, and go on to the next, to the end.
+// After a failure, every later exchange runs its rounds carrying the failure (so a peer
+// that missed it hears of it, rather than waiting for this rank until its timeout) and
+// fails with it.
+Done finish(State& s, Run& r) {
+  const int64_t n = int64_t(r.job.values.size());
+  int64_t* m = r.mine.data_ptr<int64_t>();
+  for (; r.at < r.steps.size(); ++r.at) {
+    const Step& step = r.steps[r.at];
+    if (r.at > 0) post_round(r, s);
+    const auto deadline = r.start + r.job.timeout + step.round * s.grace;
+    if (r.ok) {
+      try {
+        for (auto* work : {&r.received, &r.sent}) {
+          if (!*work) continue;
+          auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+          if (!(*work)->wait(std::max(left, milliseconds(1)))) throw std::runtime_error("its host group ended");
+        }
+      } catch (const std::exception& e) {
+        r.ok = false;
+        const std::string text = e.what();
+        const bool silent = text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos;
+        fail(r, s, silent ? kSilent : kBroken, step.peer, text.substr(0, 2000));
       }
-      for (auto* work : {&received, &sent}) {
-        if (!*work) continue;
-        auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-        if (!(*work)->wait(std::max(left, milliseconds(1)))) throw std::runtime_error("its host group ended");
-      }
-    } catch (const std::exception& e) {
-      ok = false;
-      const std::string text = e.what();
-      const bool silent = text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos;
-      fail(silent ? kSilent : kBroken, step.peer, text.substr(0, 2000));
     }
     {
       std::lock_guard<std::mutex> lock(s.mu);
-      s.in_flight.clear();
-      if (!ok) {
-        for (auto* work : {&received, &sent}) {
+      track(s, r.received, false);
+      track(s, r.sent, false);
+      if (!r.ok) {
+        for (auto* work : {&r.received, &r.sent}) {
           if (*work) {
             (*work)->abort();
             s.kept.push_back(*work);
@@ -239,7 +306,8 @@ Done exchange(State& s, Job& job) {
         }
       }
     }
-    if (!ok || !step.recv) continue;
+    if (!r.ok || !step.recv) continue;
+    const int64_t* g = r.in[0].data_ptr<int64_t>();
     if (step.combine == 2) {
       if (m[0] == kFine) std::copy(g, g + kHeader + n, m);
     } else {
@@ -247,9 +315,9 @@ Done exchange(State& s, Job& job) {
       for (int64_t i = kHeader; i < kHeader + n; ++i) m[i] = std::max(m[i], g[i]);
     }
   }
-  if (!earlier.empty()) return {kFailed, {}, earlier};
+  if (!r.earlier.empty()) return {kFailed, {}, r.earlier};
   if (m[0] != kFine) {
-    std::string text = "exchange " + std::to_string(job.seq) + ": " + describe(m, s.rank, local);
+    std::string text = "exchange " + std::to_string(r.job.seq) + ": " + describe(m, s.rank, r.local);
     std::lock_guard<std::mutex> lock(s.mu);
     if (s.failed.empty()) {
       s.failed = text;
@@ -257,10 +325,27 @@ Done exchange(State& s, Job& job) {
     }
     return {kFailed, {}, text};
   }
+  if (n <= kAheadMax) {  // the next exchange of this length receives into these
+    std::lock_guard<std::mutex> lock(s.mu);
+    try {
+      for (const Step& step : r.steps) {
+        if (!step.recv || s.closing || s.ahead.count({step.peer, n})) continue;
+        std::vector<at::Tensor> in{at::empty({kHeader + n}, at::TensorOptions().dtype(at::kLong))};
+        auto work = s.backend->recv(in, step.peer, int(kTagBase + n));
+        s.ahead[{step.peer, n}] = {in[0], work};
+        track(s, work, true);
+      }
+    } catch (const std::exception&) {  // (the next exchange posts its own, and says why it fails)
+    }
+  }
   return {kOk, std::vector<int64_t>(m + kHeader, m + kHeader + n), ""};
 }
 
 void serve(std::shared_ptr<State> s) {
+  // SCHED_BATCH: woken by a post, this thread does not preempt the thread that posted
+  // (the training step's, which goes on launching backward); it still gets its share.
+  sched_param param{};
+  pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
   while (true) {
     Job job;
     {
@@ -270,10 +355,11 @@ void serve(std::shared_ptr<State> s) {
       job = std::move(s->jobs.front());
       s->jobs.pop_front();
     }
-    Done d = exchange(*s, job);
+    Run run = begin(*s, std::move(job));
+    Done d = finish(*s, run);
     {
       std::lock_guard<std::mutex> lock(s->mu);
-      s->done[job.seq] = std::move(d);
+      s->done[run.job.seq] = std::move(d);
     }
     s->cv.notify_all();
   }
@@ -284,6 +370,10 @@ void serve(std::shared_ptr<State> s) {
     for (auto& job : s->jobs) s->done[job.seq] = {kClosedHere, {}, ""};
     s->jobs.clear();
     backend = std::move(s->backend);
+    for (auto& posted : s->ahead) s->kept.push_back(posted.second.second);  // (aborted by close)
+    s->ahead.clear();
+    for (auto& work : s->in_flight) s->kept.push_back(work);
+    s->in_flight.clear();
     kept = std::move(s->kept);
   }
   kept.clear();  // (outside the lock: the gloo group may go with them, joining its threads)
