@@ -218,7 +218,9 @@ void fail(Run& r, State& s, int64_t kind, int peer, const std::string& text) {
             ": " + text;
 }
 
-// Post round ``r.at``'s messages (mu not held).
+// Post round ``r.at``'s messages. Never with mu held: gloo's first message to a peer
+// connects, which can take the group's connection timeout, and mu must stay free for
+// take() and close(). (``ahead`` is this thread's only.)
 void post_round(Run& r, State& s) {
   const Step& step = r.steps[r.at];
   const int64_t n = int64_t(r.job.values.size());
@@ -227,8 +229,10 @@ void post_round(Run& r, State& s) {
   r.sent.reset(), r.received.reset();
   r.ok = true;
   try {
-    std::lock_guard<std::mutex> lock(s.mu);
-    if (s.closing) throw std::runtime_error("its host group ended");
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (s.closing) throw std::runtime_error("its host group ended");
+    }
     if (step.recv) {
       auto ahead = s.ahead.find({step.peer, n});
       if (ahead != s.ahead.end()) {
@@ -241,6 +245,7 @@ void post_round(Run& r, State& s) {
       }
     }
     if (step.send) r.sent = s.backend->send(out, step.peer, int(kTagBase + n));
+    std::lock_guard<std::mutex> lock(s.mu);
     track(s, r.received, true);
     track(s, r.sent, true);
   } catch (const std::exception& e) {
@@ -326,13 +331,13 @@ Done finish(State& s, Run& r) {
     return {kFailed, {}, text};
   }
   if (n <= kAheadMax) {  // the next exchange of this length receives into these
-    std::lock_guard<std::mutex> lock(s.mu);
     try {
       for (const Step& step : r.steps) {
-        if (!step.recv || s.closing || s.ahead.count({step.peer, n})) continue;
+        if (!step.recv || s.ahead.count({step.peer, n})) continue;
         std::vector<at::Tensor> in{at::empty({kHeader + n}, at::TensorOptions().dtype(at::kLong))};
-        auto work = s.backend->recv(in, step.peer, int(kTagBase + n));
+        auto work = s.backend->recv(in, step.peer, int(kTagBase + n));  // (mu not held: see post_round)
         s.ahead[{step.peer, n}] = {in[0], work};
+        std::lock_guard<std::mutex> lock(s.mu);
         track(s, work, true);
       }
     } catch (const std::exception&) {  // (the next exchange posts its own, and says why it fails)
