@@ -66,11 +66,11 @@ def test_every_tensor_factory_in_the_package_names_its_device():
 
 
 class _Work:
-    def __init__(self, done=lambda: None):
+    def __init__(self, done=lambda timeout: None):
         self._done = done
 
     def wait(self, timeout=None):
-        self._done()
+        self._done(timeout)
         return True
 
 
@@ -78,8 +78,10 @@ class _Transport:
     """Point-to-point messages between N simulated ranks (threads), each carrying its
     sender's hop count, as ``host_group.PythonRounds`` sends them through gloo."""
 
-    def __init__(self, size):
+    def __init__(self, size, wait_s=10.0):
         self.boxes = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
+        self.wait_s = wait_s
+        self.broken: set[tuple[int, int]] = set()  # (src, dst) whose sends fail
         self.sends = [0] * size
         self.hops = [0] * size  # per rank: the longest chain of messages that reached it
 
@@ -88,13 +90,16 @@ class _Transport:
 
         class _PG:
             def send(self, tensors, dst, tag):
+                if (rank, dst) in transport.broken:
+                    raise ConnectionError(f"connection to {dst} closed")
                 transport.sends[rank] += 1
                 transport.boxes[rank, dst].put((tensors[0].clone(), transport.hops[rank] + 1))
                 return _Work()
 
             def recv(self, tensors, src, tag):
-                def done():
-                    value, hops = transport.boxes[src, rank].get(timeout=10)
+                def done(timeout):
+                    wait_s = transport.wait_s if timeout is None else timeout.total_seconds()
+                    value, hops = transport.boxes[src, rank].get(timeout=wait_s)
                     tensors[0].copy_(value)
                     transport.hops[rank] = max(transport.hops[rank], hops)
                 return _Work(done)
@@ -130,6 +135,40 @@ def test_the_host_groups_max_takes_log_n_hops(size):
     extra = 0 if size & (size - 1) == 0 else 2  # fold the ranks above a power of two in and out
     assert max(transport.hops) <= log + extra, transport.hops
     assert max(transport.sends) <= log + 1, transport.sends
+
+
+def test_a_rank_whose_exchange_failed_carries_it_to_peers_that_succeeded():
+    """Three ranks: in the second exchange rank 0's last send (the result, to rank 2,
+    folded in) fails, so rank 0 fails while rank 1 succeeds. Rank 2 is gone for the
+    third exchange: rank 1 must hear rank 0's failure (naming rank 2) from rank 0's
+    rounds, not time out on a rank 0 that went quiet."""
+    transport = _Transport(3)
+    rounds = [host_group.PythonRounds(r, 3) for r in range(3)]
+    timeout = datetime.timedelta(seconds=1)  # (each round's wait: this, plus 2 s a round)
+
+    def exchange(ranks):
+        out = {}
+
+        def run(r):
+            try:
+                out[r] = rounds[r].run(transport.rank(r), [r], timeout)
+            except Exception as e:  # noqa: BLE001 - the result
+                out[r] = str(e)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return out
+
+    assert exchange([0, 1, 2]) == {0: [2], 1: [2], 2: [2]}
+    transport.broken.add((0, 2))
+    second = exchange([0, 1, 2])
+    assert second[1] == [2] and "could not exchange with group rank 2" in second[0], second
+    third = exchange([0, 1])
+    assert third[0] == second[0], third
+    assert "group rank 0 could not exchange with group rank 2" in third[1], third
 
 
 def test_agree_is_true_only_when_every_rank_holds_the_same_value():
