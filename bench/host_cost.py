@@ -1,7 +1,8 @@
 """Where ddp_fusion's host time per parameter goes, against its compiled-autograd floor.
 
-One process, world size 1 (gloo, no communication), the host-bound model (``mlp_host``:
-402 small parameters, batch 8), one thread, so that the step is host time. Each mode runs
+One process, world size 1 (gloo, no communication), a host-bound model (``--model``:
+``mlp_host`` or ``mlp_params``, 402 small parameters each, batch 8), one thread, so that
+the step is host time. Each mode runs
 in a process of its own: ``ddp_fusion`` (the wrapper, concat) and ``compiled_autograd``
 (the model in a one-line wrapper module, backward through compiled autograd and
 Inductor, no DDP: ddp_fusion's own floor). For each:
@@ -44,7 +45,7 @@ from typing import Any
 MODES = ("ddp_fusion", "compiled_autograd")
 BASELINE = "ddp_fusion@baseline"
 """ddp_fusion from the checkout ``--baseline`` names (its own bench and ddp_fusion)."""
-MODEL = "mlp_host"
+MODELS = ("mlp_host", "mlp_params")
 
 
 def _free_port() -> int:
@@ -75,7 +76,7 @@ def _kind(line: str) -> str:
     return "other"
 
 
-def worker(mode: str, zero_grad: str, steps: int) -> dict[str, Any]:
+def worker(mode: str, zero_grad: str, steps: int, model_name: str) -> dict[str, Any]:
     """Compile and warm up, print ``READY``; then, per ``round`` line read from stdin,
     time ``steps`` steps and print ``ROUND <median ms>``; at ``finish``, measure the
     guards and the wrapper and return the result."""
@@ -90,8 +91,8 @@ def worker(mode: str, zero_grad: str, steps: int) -> dict[str, Any]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
-    net = make_model(MODEL)
-    ((x, y),) = make_batches(MODEL, 0, 1)
+    net = make_model(model_name)
+    ((x, y),) = make_batches(model_name, 0, 1)
     if mode == "ddp_fusion":
         ddp_fusion.config.enabled = True
         model: nn.Module = ddp_fusion.DistributedDataParallel(net)
@@ -107,7 +108,7 @@ def worker(mode: str, zero_grad: str, steps: int) -> dict[str, Any]:
         _ca = _torch.compiled_autograd(dynamic=False)
         _ca.__enter__()  # for the life of the process
         model = Plain(net)
-    loss = loss_of(MODEL, torch.compile(model))
+    loss = loss_of(model_name, torch.compile(model))
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
 
     def step(backward_profiler: Any = None) -> None:
@@ -243,10 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", metavar="PATH",
                         help="also time ddp_fusion from the checkout at PATH, in the same rounds")
     parser.add_argument("--cpu", type=int, metavar="N", help="pin every process to core N")
+    parser.add_argument("--model", default="mlp_host", choices=MODELS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        result = worker(args.worker, args.zero_grad, args.steps)
+        result = worker(args.worker, args.zero_grad, args.steps, args.model)
         print("RESULT " + json.dumps(result), flush=True)
         return
     modes = args.modes.split(",")
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
                 env, cwd = {**os.environ, "PYTHONPATH": os.path.abspath(args.baseline)}, args.baseline
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.host_cost", "--worker", mode.split("@")[0],
-                 "--zero-grad", args.zero_grad, "--steps", str(args.steps)],
+                 "--zero-grad", args.zero_grad, "--steps", str(args.steps), "--model", args.model],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1,
                 env=env, cwd=cwd, preexec_fn=pin,
             )
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
             proc.kill()
             err.close()
     print(ratio_lines(medians))
-    print(f"\n{MODEL}, world size 1, zero_grad set_to_none={args.zero_grad == 'none'}\n")
+    print(f"\n{args.model}, world size 1, zero_grad set_to_none={args.zero_grad == 'none'}\n")
     print(table(results))
     out = args.out if os.path.isabs(args.out) else os.path.join(os.path.dirname(__file__), "out", args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)

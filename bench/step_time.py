@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     parser = argparse.ArgumentParser(prog="python -m bench.step_time", description=__doc__.split("\n")[0])
     hf = MODEL_SETS["hf"]
     parser.add_argument("--model", default=None,
-                        choices=("mlp", "mlp_host", "gpt", "mlp_tp", "all", "hf", *hf),
+                        choices=("mlp", "mlp_host", "mlp_params", "gpt", "mlp_tp", "all", "hf", *hf),
                         help="all = mlp and gpt (2 ranks; the default); mlp_tp = DP=2 x TP=2 on 4 gloo "
                              f"ranks; hf = every transformers model ({', '.join(hf)}). With --link: "
                              f"default {','.join(link.MODELS)}")

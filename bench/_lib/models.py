@@ -5,6 +5,9 @@
 * ``mlp_host``: 100 x (Linear(64, 64) + LayerNorm + GELU) + Linear(64, 1), batch 8: 402
   tiny parameters and almost no compute, so the step is host time (Python per step, per
   bucket, per parameter), the regime a GPU reaches once its kernels are short.
+* ``mlp_params``: 100 x (Linear(32, 32) + LayerNorm) + Linear(32, 1), batch 8:
+  402 small parameters with fewer operations each than ``mlp_host`` (no activation), so
+  the step's host time is what each parameter costs, not each operation.
 * ``gpt``: a small GPT (vocab 1000, d 192, 4 heads, 4 pre-LN blocks, seq 64), batch 8.
 * ``mlp_tp``: DP=2 x TP=2 on 4 ranks: 8 residual Megatron blocks (W1 split by rows, W2 by
   columns over the TP group; the TP all-reduces are plain functional collectives, which
@@ -42,6 +45,23 @@ class MLP(nn.Module):
             nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
             for _ in range(depth)
         )
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class ParamChain(nn.Module):
+    """``depth`` x (Linear(width, width) + LayerNorm) in torch's own modules,
+    under a module of the user's own (Dynamo compiles a user module's forward; a bare
+    ``nn.Sequential`` is on its skip list)."""
+
+    def __init__(self, width: int = 32, depth: int = 100) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width))
+                                    for _ in range(depth))
         self.head = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -289,6 +309,8 @@ MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("MLP: 24 x (Linear(256,256) + LayerNorm + GELU) + Linear(256,1), batch 128"),
     "mlp_host": ModelSpec("host-bound MLP: 100 x (Linear(64,64) + LayerNorm + GELU) + Linear(64,1), "
                           "batch 8: 402 small parameters"),
+    "mlp_params": ModelSpec("many-parameter MLP: 100 x (Linear(32,32) + LayerNorm) + "
+                            "Linear(32,1), batch 8: 402 small parameters, few operations each"),
     "gpt": ModelSpec("GPT: vocab 1000, d_model 192, 4 heads, 4 blocks, seq 64, batch 8"),
     "mlp_tp": ModelSpec("DP=2 x TP=2 MLP: 8 x Megatron block (256 -> 1024 -> 256, W1 by rows, "
                         "W2 by columns over TP), batch 64 per DP rank", world_size=4, tp=2),
@@ -300,6 +322,7 @@ MLP_BATCH, MLP_WIDTH = 128, 256
 GPT_BATCH, GPT_SEQ, GPT_VOCAB = 8, 64, 1000
 TP_BATCH = 64
 HOST_BATCH, HOST_WIDTH, HOST_DEPTH = 8, 64, 100
+PARAMS_WIDTH, PARAMS_DEPTH = 32, 100
 
 
 def world_size(model: str, device: str = "cpu", ranks: int | None = None) -> int:
@@ -331,6 +354,8 @@ def make_model(name: str, tp_group: Any = None) -> nn.Module:
         return TPMLP(tp_group)
     if name == "mlp_host":
         return MLP(HOST_WIDTH, HOST_DEPTH)
+    if name == "mlp_params":
+        return ParamChain(PARAMS_WIDTH, PARAMS_DEPTH)
     return MLP() if name == "mlp" else GPT()
 
 
@@ -352,6 +377,9 @@ def make_batches(name: str, rank: int, count: int) -> list[Batch]:
         elif name == "mlp_host":
             out.append((torch.randn(HOST_BATCH, HOST_WIDTH, generator=gen),
                         torch.randn(HOST_BATCH, 1, generator=gen)))
+        elif name == "mlp_params":
+            out.append((torch.randn(HOST_BATCH, PARAMS_WIDTH, generator=gen),
+                        torch.randn(HOST_BATCH, 1, generator=gen)))
         elif name == "mlp_tp":
             out.append((torch.randn(TP_BATCH, MLP_WIDTH, generator=gen),
                         torch.randn(TP_BATCH, MLP_WIDTH, generator=gen)))
@@ -365,7 +393,7 @@ def loss_of(name: str, model: nn.Module) -> Callable[[Any, Any], torch.Tensor]:
     """``loss(x, y)`` of ``model`` (``name``'s model, wrapped any way)."""
     if MODELS[name].hf is not None:
         return lambda x, y: hf_loss(model, x)
-    if name in ("mlp", "mlp_host", "mlp_tp"):
+    if name in ("mlp", "mlp_host", "mlp_params", "mlp_tp"):
         return lambda x, y: (model(x) - y).square().mean()
     return lambda x, y: F.cross_entropy((out := model(x)).reshape(-1, out.shape[-1]), y.reshape(-1))
 

@@ -76,25 +76,31 @@ def own_floor(mode: str) -> str:
 
 def host_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any, num_tensors: int) -> str | None:
     """Each mode's median step over its own compute floor (its data-parallel cost: on a
-    host-bound model, host time), and for ddp_fusion that cost per parameter and per
-    bucket (all-reduce of the profiled step). None where no floor was run."""
+    host-bound model, host time), that cost per parameter and per bucket (all-reduce of
+    the profiled step), and the same over the compiled-autograd floor, the lowest
+    compiled one (so that modes of different floors compare on one scale). None where
+    no floor was run."""
     rows = _rows(model, jobs, cap)
     floors = {j["mode"]: j["median_ms"] for j in rows if j["mode"] in FLOORS and "median_ms" in j}
     if not floors:
         return None
-    head = f"{'mode':<38}{'over floor ms':>14}  {'floor':<27}{'us/parameter':>13}{'us/bucket':>11}"
+    head = (f"{'mode':<38}{'over floor ms':>14}  {'floor':<27}{'us/parameter':>13}{'us/bucket':>11}"
+            f"{'over CA floor ms':>18}{'us/parameter':>13}")
     lines = [head, "-" * len(head)]
     for j in rows:
         floor = own_floor(j["mode"])
         if j["mode"] in FLOORS or "median_ms" not in j or floor not in floors:
             continue
         over = j["median_ms"] - floors[floor]
-        per_param = per_bucket = ""
-        if j["mode"].startswith("ddp_fusion"):
-            buckets = sum(j.get("collectives", {}).values())
-            per_param = f"{over * 1e3 / num_tensors:.1f}"
-            per_bucket = f"{over * 1e3 / buckets:.0f}" if buckets else "-"
-        lines.append(f"{j['mode']:<38}{over:>14.2f}  {floor:<27}{per_param:>13}{per_bucket:>11}")
+        buckets = sum(j.get("collectives", {}).values())
+        per_param = f"{over * 1e3 / num_tensors:.1f}"
+        per_bucket = f"{over * 1e3 / buckets:.0f}" if buckets else "-"
+        over_ca = per_param_ca = ""
+        if CA_FLOOR in floors:
+            ca = j["median_ms"] - floors[CA_FLOOR]
+            over_ca, per_param_ca = f"{ca:.2f}", f"{ca * 1e3 / num_tensors:.1f}"
+        lines.append(f"{j['mode']:<38}{over:>14.2f}  {floor:<27}{per_param:>13}{per_bucket:>11}"
+                     f"{over_ca:>18}{per_param_ca:>13}")
     return "\n".join(lines)
 
 
