@@ -239,7 +239,8 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
             assert f"empty_strided_cpu(({numel}, )" not in call  # no bucket buffer
         assert "cpp_fused_copy" not in call and "_c10d_functional" not in call  # no copy back
         return
-    buckets = re.findall(r"all_reduce_bucket\.default\((buf\d+), '0'\)", call)
+    # (the last argument: the guard's divisor)
+    buckets = re.findall(r"all_reduce_bucket\.default\((buf\d+), '0', buf\d+\)", call)
     assert len(buckets) == 2, call
     numels = []
     for buf in buckets:
@@ -247,7 +248,7 @@ def test_generated_code_copies_each_gradient_once(monkeypatch, tmp_path, grads_b
         numels.append(int(numel))
         # one buffer of the bucket's size: no second, scaled copy of it
         assert len(re.findall(rf"empty_strided_cpu\(\({numel}, \)", call)) == 1, call
-        after_wait = call.split(f"wait_bucket.default([{buf}])")[1]
+        after_wait = call.split(f"wait_bucket.default([{buf}], ")[1]  # (divides it in place)
         readers = [line for line in after_wait.splitlines()
                    if re.search(rf"\b{buf}\b", line) and not line.strip().startswith(("del ", "return "))]
         assert readers == [], readers  # no copy back
