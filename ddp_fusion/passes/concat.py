@@ -110,7 +110,9 @@ def fuse_concat(
         token = (checked,) if after_sum else ()
         collective = make(ALL_REDUCE_BUCKET, (flat, group_name or key.group_name, *token),
                           name=f"{label}_all_reduce")
-        tail = [make(WAIT_BUCKET, ([flat], *token), name=f"{label}_wait")]  # (and divides)
+        # the wait divides (not by a sum's divisor, which is 1)
+        scale = token if key.reduce_op != "sum" else ()
+        tail = [make(WAIT_BUCKET, ([flat], *scale), name=f"{label}_wait")]
         reduced = flat
         if key.comm_dtype is not None:
             reduced = make(prims.convert_element_type.default, (flat, key.dtype))
