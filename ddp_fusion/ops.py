@@ -372,7 +372,8 @@ def _wait_bucket(tensors: list[torch.Tensor], divisor: torch.Tensor | None = Non
     buffer, on the stream that waited)."""
     _torch.distributed.wait_tensors(tensors)
     if divisor is not None:
-        torch._foreach_div_(tensors, divisor)
+        for t in tensors:  # (one: a concat bucket's buffer)
+            t.div_(divisor)
 
 
 for _name, _impl in (("all_reduce_bucket", _all_reduce_bucket),

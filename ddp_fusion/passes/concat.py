@@ -36,8 +36,8 @@ writes each one that its own kernels make straight into the bucket (a division f
 would need the gradient in a buffer of its own, then a copy: two Python statements and
 a buffer per gradient in the generated code, the host cost of a model of many small
 parameters); the division is one kernel per bucket, in place on its buffer, run by
-the wait (on the stream that waited). In full precision the two orders differ by a rounding at most, and
-not at all where the divisor is a power of two.
+the wait (on the stream that waited). In full precision the two orders differ by a
+rounding at most, and not at all where the divisor is a power of two.
 
 The collective and its wait are ddp_fusion's ops (ops.py: ``_c10d_functional``'s
 ``all_reduce_`` and ``wait_tensor`` underneath), tagged cudagraph-unsafe, so that a
