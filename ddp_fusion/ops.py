@@ -342,20 +342,17 @@ def forget_runs(model_id: int) -> None:
 # 40 us of Python per call, and bumps the version of each tensor it mutates in Python
 # (per .grad of a bucket, for the in-place ops); these cost about 5 us.
 _lib = torch.library.Library("ddp_fusion", "FRAGMENT")
-_lib.define("all_reduce_bucket(Tensor(a!) flat, str group_name, Tensor? after=None) -> ()",
-            tags=CUDAGRAPH_UNSAFE)
+_lib.define("all_reduce_bucket(Tensor(a!) flat, str group_name) -> ()", tags=CUDAGRAPH_UNSAFE)
 _lib.define("all_reduce_bucket_coalesced(Tensor(a!)[] tensors, str group_name) -> ()", tags=CUDAGRAPH_UNSAFE)
-_lib.define("wait_bucket(Tensor(a!)[] tensors, Tensor? divisor=None) -> ()", tags=CUDAGRAPH_UNSAFE)
+_lib.define("wait_bucket(Tensor(a!)[] tensors) -> ()", tags=CUDAGRAPH_UNSAFE)
 _lib.define("all_reduce_in_place(Tensor(a!)[] grads, str group_name, str algorithm, str layout=\"\") -> ()",
             tags=CUDAGRAPH_UNSAFE)
 _lib.define("wait_in_place(Tensor(a!)[] grads) -> ()", tags=CUDAGRAPH_UNSAFE)
 
 
-def _all_reduce_bucket(flat: torch.Tensor, group_name: str, after: torch.Tensor | None = None) -> None:
+def _all_reduce_bucket(flat: torch.Tensor, group_name: str) -> None:
     """Issue the sum of a bucket's flat buffer over ``group_name``, in place, without
-    waiting (:func:`_wait_bucket` waits). ``after``: not read; the graph's order (the
-    plan guard's divisor, so that the collective comes after the plan check:
-    passes/concat.py)."""
+    waiting (:func:`_wait_bucket` waits)."""
     _torch.distributed.c10d_functional.all_reduce_(flat, "sum", group_name)
 
 
@@ -365,15 +362,10 @@ def _all_reduce_bucket_coalesced(tensors: list[torch.Tensor], group_name: str) -
     _torch.distributed.c10d_functional.all_reduce_coalesced_(tensors, "sum", group_name)
 
 
-def _wait_bucket(tensors: list[torch.Tensor], divisor: torch.Tensor | None = None) -> None:
+def _wait_bucket(tensors: list[torch.Tensor]) -> None:
     """Wait for the collective issued on ``tensors`` (the functional collectives keep a
-    collective's work by storage); then divide them by ``divisor`` in place, if given
-    (a bucket divided after its sum: passes/concat.py; one kernel on the bucket's
-    buffer, on the stream that waited)."""
+    collective's work by storage)."""
     _torch.distributed.wait_tensors(tensors)
-    if divisor is not None:
-        for t in tensors:  # (one: a concat bucket's buffer)
-            t.div_(divisor)
 
 
 for _name, _impl in (("all_reduce_bucket", _all_reduce_bucket),

@@ -92,10 +92,12 @@ def forward(self, x_1, w1_1, w2_1):
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
-    bucket0_cat = torch.ops.aten.cat.default([view_default, sum_1]);  view_default = sum_1 = None
+    div_tensor = torch.ops.aten.div.Tensor(view_default, plan_check_start_default);  view_default = None
     plan_guard_default = torch.ops.ddp_fusion.plan_guard.default(plan_check_start_default, '0', 2860895155221077544, 'avg', device(type='cpu'));  plan_check_start_default = None
-    bucket0_all_reduce = torch.ops.ddp_fusion.all_reduce_bucket.default(bucket0_cat, '0', plan_guard_default);  bucket0_all_reduce = None
-    bucket0_wait = torch.ops.ddp_fusion.wait_bucket.default([bucket0_cat], plan_guard_default);  plan_guard_default = bucket0_wait = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_guard_default);  sum_1 = plan_guard_default = None
+    bucket0_cat = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
+    bucket0_all_reduce = torch.ops.ddp_fusion.all_reduce_bucket.default(bucket0_cat, '0');  bucket0_all_reduce = None
+    bucket0_wait = torch.ops.ddp_fusion.wait_bucket.default([bucket0_cat]);  bucket0_wait = None
     bucket0_split = torch.ops.aten.split_with_sizes.default(bucket0_cat, [15, 5]);  bucket0_cat = None
     getitem = bucket0_split[0]
     view_default_1 = torch.ops.aten.view.default(getitem, [5, 3]);  getitem = None
@@ -143,9 +145,11 @@ def forward(self, x_1, w1_1, w2_1):
     mul = torch.ops.aten.mul.Tensor(mm, 2);  mm = None
     sum_1 = torch.ops.aten.sum.dim_IntList(mul, [0]);  mul = None
     view_default = torch.ops.aten.view.default(mm_1, [-1]);  mm_1 = None
-    bucket0_cat = torch.ops.aten.cat.default([view_default, sum_1]);  view_default = sum_1 = None
-    bucket0_all_reduce = torch.ops.ddp_fusion.all_reduce_bucket.default(bucket0_cat, '0', plan_start_default);  bucket0_all_reduce = None
-    bucket0_wait = torch.ops.ddp_fusion.wait_bucket.default([bucket0_cat], plan_start_default);  plan_start_default = bucket0_wait = None
+    div_tensor = torch.ops.aten.div.Tensor(view_default, plan_start_default);  view_default = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(sum_1, plan_start_default);  sum_1 = plan_start_default = None
+    bucket0_cat = torch.ops.aten.cat.default([div_tensor, div_tensor_1]);  div_tensor = div_tensor_1 = None
+    bucket0_all_reduce = torch.ops.ddp_fusion.all_reduce_bucket.default(bucket0_cat, '0');  bucket0_all_reduce = None
+    bucket0_wait = torch.ops.ddp_fusion.wait_bucket.default([bucket0_cat]);  bucket0_wait = None
     bucket0_split = torch.ops.aten.split_with_sizes.default(bucket0_cat, [15, 5]);  bucket0_cat = None
     getitem = bucket0_split[0]
     view_default_1 = torch.ops.aten.view.default(getitem, [5, 3]);  getitem = None
@@ -227,8 +231,9 @@ class TestCudaGraphPartitions(expecttest.TestCase):
         fuse(gm, algorithm="concat")
         self.assertExpectedInline(self.check(gm), """\
 not captured: plan_check_start_default
-captured: mm, t, mm_1, mul, sum_1, view_default, bucket0_cat
+captured: mm, t, mm_1, mul, sum_1, view_default, div_tensor
 not captured: plan_guard_default
+captured: div_tensor_1, bucket0_cat
 not captured: bucket0_all_reduce
 not captured: bucket0_wait
 captured: bucket0_split, getitem, view_default_1, getitem_1""")

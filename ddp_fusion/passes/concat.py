@@ -7,37 +7,15 @@ Before (n gradients of one bucket)::
     rn = ddp_fusion.all_reduce_gradient(gn, group, "avg", ...)
     return (r1, ..., rn)                # the hooks make each r_i its parameter's .grad
 
-After (inserted right after the last of g1..gn is computed), a bucket of float32 or
-float64 gradients::
+After (inserted right after the last of g1..gn is computed)::
 
-    flat = cat([view(g1, [-1]), ..., view(gn, [-1])])   # a gradient that a kernel of the
-                                                        # backward makes (a bias's sum, a
-                                                        # norm's weight) is written there
-    ddp_fusion.all_reduce_bucket(flat, group, checked)  # the sum, in place on flat;
-                                                        # returns at once
-    ddp_fusion.wait_bucket([flat], checked)             # moved later by schedule.py;
-                                                        # then flat /= checked in place
+    flat = cat([div(view(g1, [-1]), divisor)   # each gradient scaled as it is copied in:
+                ...                            # Inductor writes g_i / divisor straight
+                div(view(gn, [-1]), checked)]) # into its slice (one pass, one buffer)
+    ddp_fusion.all_reduce_bucket(flat, group)  # the sum, in place on flat; returns at once
+    ddp_fusion.wait_bucket([flat])             # moved later by schedule.py
     parts = split_with_sizes(flat, [numel1 ... numeln])
     r1 = view(parts[0], shape1) ... rn = view(parts[n-1], shapen)   # 1-D: parts[i]
-
-and a bucket of float16 or bfloat16 gradients, or one with a ``comm_dtype`` or a comm
-hook, divides each gradient as it is copied in, before the sum (as eager DDP does, so
-that low-precision gradients do not overflow)::
-
-    flat = cat([div(view(g1, [-1]), divisor),  # Inductor writes g_i / divisor straight
-                ...                            # into its slice
-                div(view(gn, [-1]), checked)]) # gn: the last ready
-    ddp_fusion.all_reduce_bucket(flat, group)
-    ddp_fusion.wait_bucket([flat])
-    parts = split_with_sizes(flat, [numel1 ... numeln]) ...
-
-Dividing after the sum leaves the gradients as the backward makes them, so Inductor
-writes each one that its own kernels make straight into the bucket (a division first
-would need the gradient in a buffer of its own, then a copy: two Python statements and
-a buffer per gradient in the generated code, the host cost of a model of many small
-parameters); the division is one kernel per bucket, in place on its buffer, run by
-the wait (on the stream that waited). In full precision the two orders differ by a
-rounding at most, and not at all where the divisor is a power of two.
 
 The collective and its wait are ddp_fusion's ops (ops.py: ``_c10d_functional``'s
 ``all_reduce_`` and ``wait_tensor`` underneath), tagged cudagraph-unsafe, so that a
@@ -56,10 +34,9 @@ wait.
 
 ``divisor`` and ``checked`` are the 0-d divisors from the group's ``plan_check_start``
 (or a ``plan_divisor``) and ``plan_guard`` (guard.py; the same value, the second after
-the cross-rank plan check): the world size for ``avg``, 1 for ``sum`` and for a comm
-hook's bucket. The collective takes ``checked`` (divided after the sum), or the
-bucket's last-ready gradient is scaled by it (divided before), so that no collective
-of the group is issued before the check.
+the cross-rank plan check; ``gn`` is the last gradient to be ready): the world size for
+``avg``, 1 for ``sum`` and for a comm hook's bucket. The division happens before the
+sum, as in eager DDP, so low-precision gradients do not overflow.
 """
 
 from __future__ import annotations
@@ -96,23 +73,16 @@ def fuse_concat(
     (a comm hook's, see comm_hooks.py)."""
     key = bucket.key
     divisor, checked = divisors
-    after_sum = divides_after_sum(key.dtype, key.comm_dtype, group_name)
     with make.graph.inserting_before(after.next):
         flats = []
         for g in bucket.grads:
             flat = _flatten(make, g)
             if key.comm_dtype is not None:
                 flat = make(prims.convert_element_type.default, (flat, key.comm_dtype))
-            if not after_sum:
-                flat = make(aten.div.Tensor, (flat, checked if g is last else divisor))
-            flats.append(flat)
+            flats.append(make(aten.div.Tensor, (flat, checked if g is last else divisor)))
         flat = make(aten.cat.default, (flats,), name=f"{label}_cat")
-        token = (checked,) if after_sum else ()
-        collective = make(ALL_REDUCE_BUCKET, (flat, group_name or key.group_name, *token),
-                          name=f"{label}_all_reduce")
-        # the wait divides (not by a sum's divisor, which is 1)
-        scale = token if key.reduce_op != "sum" else ()
-        tail = [make(WAIT_BUCKET, ([flat], *scale), name=f"{label}_wait")]
+        collective = make(ALL_REDUCE_BUCKET, (flat, group_name or key.group_name), name=f"{label}_all_reduce")
+        tail = [make(WAIT_BUCKET, ([flat],), name=f"{label}_wait")]
         reduced = flat
         if key.comm_dtype is not None:
             reduced = make(prims.convert_element_type.default, (flat, key.dtype))
@@ -129,13 +99,6 @@ def fuse_concat(
                 out = node
             outputs.append(out)
     return FusedBucket(bucket, collective, [tail], outputs, mutated=[flat])
-
-
-def divides_after_sum(dtype: torch.dtype, comm_dtype: torch.dtype | None, hook_group: str | None) -> bool:
-    """Whether a bucket is divided after its sum (one kernel on the reduced bucket)
-    rather than each gradient before it: a bucket of float32 or float64 gradients sent
-    as they are, whose own group sums it (not a comm hook's, which scales as it likes)."""
-    return comm_dtype is None and hook_group is None and dtype in (torch.float32, torch.float64)
 
 
 def _flatten(make: NodeMaker, g: GradAllReduce) -> torch.fx.Node:
