@@ -233,3 +233,23 @@ def test_host_probe_times_fixed_work_and_reports_its_spread(capsys):
         assert n >= 2, line  # timed again and again (statistics.quantiles needs two)
         assert f"{kind} in order (every 5th): " in out
     assert "steal ticks" in out
+
+
+def test_step_time_flags_a_compiled_mode_that_compiled_nothing():
+    """Issue 60: ``torch.compile`` of torch DDP around an ``nn.Sequential`` compiles
+    nothing on torch 2.13 (Dynamo breaks in DDP's forward and skips torch's own
+    modules): such a job must not pass for a compiled one in the table."""
+    from bench._lib import report
+
+    def job(mode, graphs):
+        return {"model": "mlp_host", "mode": mode, "cap": None, "median_ms": 5.0, "p10_ms": 4.0,
+                "p90_ms": 6.0, "min_ms": 4.0, "max_ms": 6.0, "recompiles_during_timing": [],
+                "counters": [{"ddp_fusion": {}, "stats": {"unique_graphs": g}} for g in graphs]}
+
+    jobs = {"a": job("ddp_optimizer", [0, 0]), "b": job("ddp_fusion_concat", [2, 2]),
+            "c": job("eager_ddp", [0, 0])}
+    table, _ = report.step_table("mlp_host", jobs, None)
+    lines = {line.split()[0]: line for line in table.splitlines()[2:]}
+    assert "compiled nothing" in lines["ddp_optimizer"]
+    assert "compiled nothing" not in lines["ddp_fusion_concat"]
+    assert "compiled nothing" not in lines["eager_ddp"]  # not a compiled mode

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench._lib.modes import AOT_FLOOR, CA_FLOOR, COMM_FLOOR, EAGER_FLOOR, FLOORS
+from bench._lib.modes import AOT_FLOOR, CA_FLOOR, COMM_FLOOR, EAGER_FLOOR, FLOORS, all_modes
 
 SWEEP_MODES = ("eager_ddp", "ddp_fusion_concat", "ddp_fusion_coalesced")
 
@@ -50,6 +50,7 @@ def step_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[s
         recomp = any(v for rc in j["recompiles_during_timing"] for v in rc.values())
         unfused = sum(v for c in j.get("counters", []) for k, v in c["ddp_fusion"].items()
                       if k.startswith("unfused"))
+        idle = compiled_nothing(j)
         lines.append(
             f"{name:<38}{j['median_ms']:>10.2f}{j['p10_ms']:>8.2f}-{j['p90_ms']:<7.2f}"
             f"{j['min_ms']:>8.2f}-{j['max_ms']:<7.2f}"
@@ -58,11 +59,24 @@ def step_table(model: str, jobs: dict[str, dict[str, Any]], cap: Any) -> tuple[s
             f"{(f'{diff:.2e}' if diff is not None else 'n/a'):>19}"
             + ("  (recompiled while timed!)" if recomp else "")
             + (f"  ({unfused} ddp_fusion unfused events!)" if unfused else "")
+            + ("  (compiled nothing: no Dynamo graph, it ran eagerly!)" if idle else "")
             + (f"  (failed later: {j['failed']})" if j.get("failed") else ""))
         summary["rows"][name] = {"median_ms": j["median_ms"], "efficiency": eff, "x_eager": rel}
     if bound:
         lines.append(f"lower bound = max({AOT_FLOOR}, {COMM_FLOOR}) = {bound:.2f} ms")
     return "\n".join(lines), summary
+
+
+def compiled_nothing(job: dict[str, Any]) -> bool:
+    """Whether a compiled mode's job made no Dynamo graph on any rank: it ran eagerly
+    (``torch.compile`` of torch DDP around a module of torch's own, an ``nn.Sequential``,
+    compiles nothing on torch 2.13: Dynamo breaks in DDP's forward and skips torch's
+    modules). False where the counters were not recorded."""
+    mode = all_modes().get(job["mode"])
+    counters = job.get("counters") or []
+    if mode is None or not mode.compiled or not counters:
+        return False
+    return all(not c.get("stats", {}).get("unique_graphs") for c in counters)
 
 
 def own_floor(mode: str) -> str:
