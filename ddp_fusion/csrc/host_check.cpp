@@ -339,6 +339,10 @@ Done finish(State& s, Run& r) {
         s.ahead[{step.peer, n}] = {in[0], work};
         std::lock_guard<std::mutex> lock(s.mu);
         track(s, work, true);
+        if (s.closing) {  // close() aborted what was in flight before this was posted
+          work->abort();
+          break;
+        }
       }
     } catch (const std::exception&) {  // (the next exchange posts its own, and says why it fails)
     }
