@@ -2,8 +2,8 @@
 
 One process, world size 1 (gloo, no communication), a host-bound model (``--model``:
 ``mlp_host`` or ``mlp_params``, 402 small parameters each, batch 8), one thread, so that
-the step is host time. Each mode runs
-in a process of its own: ``ddp_fusion`` (the wrapper, concat) and ``compiled_autograd``
+the step is host time. Each mode runs in a process of its own: ``ddp_fusion`` (the
+wrapper, concat) and ``compiled_autograd``
 (the model in a one-line wrapper module, backward through compiled autograd and
 Inductor, no DDP: ddp_fusion's own floor). For each:
 
