@@ -11,6 +11,15 @@ down into torch's compile phases (``dynamo_timed``: Dynamo's tracing of a frame,
 AOTAutograd, Inductor's lowering and code generation, the FX graph cache) and
 ddp_fusion's own parts (learning eager autograd's ready order, the pass).
 
+Each job's first ``--steps`` steps (default 3: with ``.grad`` kept, the second step's
+backward is the first to see ``.grad`` tensors) are compared with ``compute_only``'s,
+and split into phases, summed over those steps: the forwards' Dynamo tracing (its own
+part, without AOTAutograd and Inductor) and their AOTAutograd + Inductor; the
+backwards' compiled-autograd capture (the backward's wall time less the compiles in
+it: compiled autograd's tracing of the autograd graph and the hooks, and running the
+step), Dynamo's tracing of the captured graph, its AOTAutograd + Inductor; Inductor
+alone (``compile_fx_inner``, forward and backward); and ddp_fusion's own parts.
+
 Modes: ``ddp_fusion_stock`` (torch DDP with ``ddp_fusion.config.enabled = True``, as
 an HF Trainer or Lightning run sees it), ``ddp_optimizer`` (torch DDP compiled with
 Dynamo's DDPOptimizer) and ``compute_only`` (``torch.compile(model)``, no DDP, no
@@ -18,6 +27,7 @@ communication).
 
     python -m bench.first_step                          # hf_gpt2 and mlp
     python -m bench.first_step --model gpt --modes ddp_fusion_stock,ddp_optimizer
+    python -m bench.first_step --model mlp --zero-grad zeros   # .grad kept
 
 Writes a table to stdout and ``bench/out/first_step.json``.
 """
@@ -37,55 +47,66 @@ from bench._lib.modes import all_modes
 from bench._lib.record import provenance, write_json
 
 MODES = ["ddp_fusion_stock", "ddp_optimizer", "compute_only"]
-# phases shown (dynamo_timed keys; nested ones are also inside their parents)
-PHASES = {
-    "dynamo": "_compile.compile_inner",
-    "aot": "create_aot_dispatcher_function",
-    "inductor": "compile_fx_inner",
-    "codegen": "fx_codegen_and_compile",
-}
+# dynamo_timed keys (nested ones are also counted in their parents)
+DYNAMO, AOT, INDUCTOR = "_compile.compile_inner", "create_aot_dispatcher_function", "compile_fx_inner"
+COLUMNS = ["fwd Dynamo", "fwd AOT+Inductor", "bwd capture", "bwd Dynamo", "bwd AOT+Inductor",
+           "Inductor", "ready order", "pass"]
 
 
-def run_job(model: str, mode: str, steps: int, cache_dir: str) -> dict[str, Any]:
+def run_job(model: str, mode: str, steps: int, cache_dir: str, set_to_none: bool) -> dict[str, Any]:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    job = Job(model, mode, None, graph_caches=True)
+    job = Job(model, mode, None, set_to_none=set_to_none, graph_caches=True)
     try:
         job.start()
         per_rank = job.run(step.first_steps, steps)
     finally:
         job.stop()
-    first = max(r["times_s"][0] for r in per_rank)
     rank0 = per_rank[0]
-    return {"first_s": first,
-            "later_s": [max(r["times_s"][i] for r in per_rank) for i in range(1, steps)],
-            "compile_phases_s": rank0["compile_phases_s"],
-            "ready_order_s": rank0["ddp_fusion ready order"],
-            "pass_s": rank0["ddp_fusion pass"]}
+    return {"times_s": [max(r["times_s"][i] for r in per_rank) for i in range(steps)],
+            "compile_phases_s": rank0["compile_phases_s"], "steps": rank0["steps"],
+            "ready_order_s": rank0["ddp_fusion ready order"], "pass_s": rank0["ddp_fusion pass"]}
 
 
-def phase(rec: dict[str, Any], key: str) -> float:
-    return sum(v for k, v in rec["compile_phases_s"].items() if k == key or k.endswith("." + key))
+def phase(phases: dict[str, float], key: str) -> float:
+    return sum(v for k, v in phases.items() if k == key or k.endswith("." + key))
 
 
-def table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+def split(rec: dict[str, Any]) -> list[float]:
+    """Rank 0's seconds in each of :data:`COLUMNS`, summed over the timed steps."""
+    out = dict.fromkeys(COLUMNS, 0.0)
+    for st in rec["steps"]:
+        for part in ("fwd", "bwd"):
+            phases = st.get(("forward" if part == "fwd" else "backward") + "_phases_s", {})
+            dyn, aot = phase(phases, DYNAMO), phase(phases, AOT)
+            out[f"{part} Dynamo"] += dyn - aot
+            out[f"{part} AOT+Inductor"] += aot
+            out["Inductor"] += phase(phases, INDUCTOR)
+            if part == "bwd":
+                out["bwd capture"] += st.get("backward_s", 0.0) - dyn
+    out["ready order"], out["pass"] = rec["ready_order_s"], rec["pass_s"]
+    return [out[c] for c in COLUMNS]
+
+
+def table(results: dict[str, dict[str, dict[str, Any]]], steps: int, zero_grad: str) -> list[str]:
     lines = []
     for model, by_mode in results.items():
-        lines += ["", f"{model}: first step (s), cold and warm Inductor cache; rank 0's first-step "
-                  "compile phases (s) with the warm cache", "",
-                  "| mode | cold | warm | warm / DDPOptimizer | step 2 (warm) | "
-                  + " | ".join(PHASES) + " | ready order | pass |",
-                  "|---" * (6 + len(PHASES)) + "|"]
-        ref = by_mode.get("ddp_optimizer", {}).get("warm")
+        floor = by_mode.get("compute_only", {})
+        lines += ["", f"{model}, `.grad` {'set to none' if zero_grad == 'none' else 'kept'}: the first "
+                  f"{steps} steps (s), cold and warm Inductor cache, over `compute_only`'s; rank 0's "
+                  f"phases (s) in them", "",
+                  "| mode | cache | first steps | / compute_only | step 1 | " + " | ".join(COLUMNS) + " |",
+                  "|---" * (5 + len(COLUMNS)) + "|"]
         for mode, rec in by_mode.items():
             if "error" in rec:
                 lines.append(f"| {mode} | failed: {rec['error']} |")
                 continue
-            cold, warm = rec["cold"], rec["warm"]
-            ratio = f"{warm['first_s'] / ref['first_s']:.2f}x" if ref else "-"
-            step2 = f"{warm['later_s'][0]:.3f}" if warm["later_s"] else "-"
-            cells = [f"{phase(warm, k):.2f}" for k in PHASES.values()]
-            lines.append(f"| {mode} | {cold['first_s']:.1f} | {warm['first_s']:.1f} | {ratio} | {step2} | "
-                         + " | ".join(cells) + f" | {warm['ready_order_s']:.2f} | {warm['pass_s']:.2f} |")
+            for cache in ("cold", "warm"):
+                r, total = rec[cache], sum(rec[cache]["times_s"])
+                ref = floor.get(cache)
+                ratio = f"{total / sum(ref['times_s']):.2f}x" if ref else "-"
+                cells = " | ".join(f"{v:.2f}" for v in split(r))
+                lines.append(f"| {mode} | {cache} | {total:.1f} | {ratio} | {r['times_s'][0]:.1f} | "
+                             f"{cells} |")
     return lines
 
 
@@ -95,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, of: {', '.join(sorted(models.MODELS))} (default hf_gpt2,mlp)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated (default {','.join(MODES)})")
     p.add_argument("--steps", type=int, default=3, help="steps timed one by one (default 3)")
+    p.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
+                   help="each step's optimizer.zero_grad: set_to_none=True (none, torch's default) "
+                        "or False (zeros: .grad kept)")
     args = p.parse_args(argv)
     names = [m for m in args.model.split(",") if m]
     bad = [m for m in names if m not in models.MODELS]
@@ -110,17 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             cache = tempfile.mkdtemp(prefix="first_step_cache_")
             try:
-                rec = {"cold": run_job(model, mode, args.steps, cache)}
-                rec["warm"] = run_job(model, mode, args.steps, cache)
+                rec = {"cold": run_job(model, mode, args.steps, cache, args.zero_grad == "none")}
+                rec["warm"] = run_job(model, mode, args.steps, cache, args.zero_grad == "none")
             except JobError as e:
                 rec = {"error": str(e)}
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
             results[model][mode] = rec
             print(f"{model} {mode}: " + (rec.get("error") or
-                  f"cold {rec['cold']['first_s']:.1f} s, warm {rec['warm']['first_s']:.1f} s"), flush=True)
-    print("\n".join(table(results)))
-    print(f"\nwrote {write_json('first_step.json', {'provenance': provenance(), 'results': results})}")
+                  f"cold {sum(rec['cold']['times_s']):.1f} s, warm {sum(rec['warm']['times_s']):.1f} s"),
+                  flush=True)
+    print("\n".join(table(results, args.steps, args.zero_grad)))
+    out = {"provenance": provenance(), "zero_grad": args.zero_grad, "results": results}
+    print(f"\nwrote {write_json('first_step.json', out)}")
     return 0
 
 

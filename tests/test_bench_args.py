@@ -120,22 +120,34 @@ def test_first_step_refuses_unknown_models_and_modes_by_name(capsys):
         assert named in capsys.readouterr().err
 
 
-def test_first_step_table_compares_the_warm_first_step_with_ddp_optimizer():
+def test_first_step_table_compares_the_first_steps_with_compute_only_and_splits_phases():
     from bench import first_step
 
-    def rec(first, phases):
-        return {"first_s": first, "later_s": [0.05, 0.05], "compile_phases_s": phases,
+    def rec(times, steps=()):
+        return {"times_s": list(times), "compile_phases_s": {}, "steps": list(steps),
                 "ready_order_s": 0.25, "pass_s": 0.01}
 
-    warm = rec(8.0, {"_compile.compile_inner": 5.0})
-    results = {"mlp": {"ddp_fusion_stock": {"cold": rec(30.0, {}), "warm": warm},
-                       "ddp_optimizer": {"cold": rec(10.0, {}), "warm": rec(4.0, {})},
-                       "compute_only": {"error": "boom"}}}
-    lines = [line for line in first_step.table(results) if line.startswith("| ")]
-    rows = {line.split(" | ")[0].strip("| "): line for line in lines}
-    assert "| 30.0 | 8.0 | 2.00x | 0.050 | 5.00 |" in rows["ddp_fusion_stock"], rows
-    assert "| 10.0 | 4.0 | 1.00x |" in rows["ddp_optimizer"]
-    assert "failed: boom" in rows["compute_only"]
+    # step 1: forward compiles (Dynamo 2 s of which AOT 1.5, Inductor 1), backward 6 s of
+    # which Dynamo 4 (AOT 3, Inductor 2); step 2 recompiles the backward (1 s, Dynamo 0.5)
+    steps = [{"forward_s": 2.5, "forward_phases_s": {"_compile.compile_inner": 2.0,
+                                                     "create_aot_dispatcher_function": 1.5,
+                                                     "x.compile_fx_inner": 1.0},
+              "backward_s": 6.0, "backward_phases_s": {"_compile.compile_inner": 4.0,
+                                                       "create_aot_dispatcher_function": 3.0,
+                                                       "compile_fx_inner": 2.0}},
+             {"forward_s": 0.1, "forward_phases_s": {},
+              "backward_s": 1.0, "backward_phases_s": {"_compile.compile_inner": 0.5}}]
+    results = {"mlp": {"ddp_fusion_stock": {"cold": rec([20.0, 4.0, 0.1], steps),
+                                            "warm": rec([8.0, 1.0, 0.1])},
+                       "compute_only": {"cold": rec([10.0, 0.1, 0.1]), "warm": rec([2.0, 0.1, 0.1])},
+                       "ddp_optimizer": {"error": "boom"}}}
+    lines = [line for line in first_step.table(results, 3, "none") if line.startswith("| ")]
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in lines}
+    assert "| 24.1 | 2.36x | 20.0 | 0.50 | 1.50 | 2.50 | 1.50 | 3.00 | 3.00 | 0.25 | 0.01 |" in \
+        rows["ddp_fusion_stock", "cold"], rows
+    assert "| 9.1 | 4.14x | 8.0 |" in rows["ddp_fusion_stock", "warm"]
+    assert "| 10.2 | 1.00x |" in rows["compute_only", "cold"]
+    assert "failed: boom" in rows["ddp_optimizer", "failed: boom"]
 
 
 def test_host_cost_sorts_wrapper_lines_and_refuses_unknown_modes(capsys):

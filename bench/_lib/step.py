@@ -46,6 +46,13 @@ class TrainStep:
         self.model, self.opt, self.batches, self.loss = model, opt, batches, loss
         self.set_to_none = set_to_none
         self.count = 0
+        self.marks: list[tuple[str, float, dict[str, float]]] | None = None
+        """When a list: gets ``(phase, time.perf_counter(), compile seconds)`` at the end
+        of each step's forward, backward and optimizer step (:func:`first_steps`)."""
+
+    def _mark(self, name: str) -> None:
+        if self.marks is not None:
+            self.marks.append((name, time.perf_counter(), _torch.compile_seconds()))
 
     def zero_grad(self) -> None:
         with record_function("step::zero_grad"):
@@ -57,12 +64,16 @@ class TrainStep:
         self.count += 1
         with record_function("step::forward"):
             loss = self.loss(x, y)
+        self._mark("forward")
         with record_function("step::backward"):
             loss.backward()
+        self._mark("backward")
         with record_function("step::optimizer"):
             self.opt.step()
+        self._mark("optimizer")
 
     def __call__(self) -> None:
+        self._mark("start")
         self.zero_grad()
         self.rest()
 
@@ -213,8 +224,8 @@ def _barrier_timed(job: _Job, n: int, cpu: list[tuple[float, float]] | None = No
 def first_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
     """The job's first ``n`` steps, each timed alone between barriers (the first
     compiles), with where the time went: torch's compile phases (seconds, from
-    ``dynamo_timed``) and ddp_fusion's own parts (learning eager autograd's ready order,
-    the pass)."""
+    ``dynamo_timed``) in each step's forward and backward, and ddp_fusion's own parts
+    (learning eager autograd's ready order, the pass)."""
     import ddp_fusion._install as install
     import ddp_fusion.grad_sync as grad_sync
 
@@ -233,14 +244,34 @@ def first_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
     saved = grad_sync.ready_order.learn, install.fuse_ddp_allreduces
     grad_sync.ready_order.learn = timed(saved[0], "ddp_fusion ready order")
     install.fuse_ddp_allreduces = timed(saved[1], "ddp_fusion pass")
+    marks = job.step.marks = [] if isinstance(job.step, TrainStep) else None
     before = _torch.compile_seconds()
     try:
         times = _barrier_timed(job, n)
     finally:
         grad_sync.ready_order.learn, install.fuse_ddp_allreduces = saved
+        if marks is not None:
+            job.step.marks = None
     after = _torch.compile_seconds()
-    phases = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 1e-3}
-    return {"times_s": times, "compile_phases_s": phases, **spent}
+    return {"times_s": times, "compile_phases_s": _phase_delta(before, after),
+            "steps": _step_windows(marks or []), **spent}
+
+
+def _phase_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 1e-3}
+
+
+def _step_windows(marks: list[tuple[str, float, dict[str, float]]]) -> list[dict[str, Any]]:
+    """Per step: the seconds of its forward (from the step's start: zero_grad and
+    forward), backward and optimizer step, and the compile phases in each."""
+    steps: list[dict[str, Any]] = []
+    for prev, (name, t, seconds) in zip(marks, marks[1:]):
+        if name == "forward":
+            steps.append({})
+        if name != "start" and steps:
+            steps[-1][f"{name}_s"] = t - prev[1]
+            steps[-1][f"{name}_phases_s"] = _phase_delta(prev[2], seconds)
+    return steps
 
 
 def time_steps(rank: int, world_size: int, n: int) -> dict[str, Any]:
