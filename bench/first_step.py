@@ -1,19 +1,16 @@
-"""The first training step under the flag, against DDPOptimizer and ``torch.compile``
-without DDP, with a cold and a warm Inductor cache, and where its time goes.
+"""The first training steps under the flag, against DDPOptimizer and ``torch.compile``
+without DDP, with a cold and a warm Inductor cache, and where their time goes.
 
 Each (model, mode) job runs on fresh rank processes (2 gloo ranks, CPU) twice: once with
 an empty ``TORCHINDUCTOR_CACHE_DIR`` (cold) and once more, on new processes, with the
-cache that run filled (warm: Inductor's FX graph cache and AOTAutograd's cache on and
-hit, compiled kernels reused; Dynamo and compiled autograd trace again, as in a
-restarted job). Each of the first
-``--steps`` steps is timed alone, between barriers; the time of the first is broken
-down into torch's compile phases (``dynamo_timed``: Dynamo's tracing of a frame,
-AOTAutograd, Inductor's lowering and code generation, the FX graph cache) and
-ddp_fusion's own parts (learning eager autograd's ready order, the pass).
+cache that run filled (warm: Inductor's FX graph cache and AOTAutograd's cache on,
+compiled kernels reused; Dynamo and compiled autograd trace again, as in a restarted
+job, and a forward whose backward compiled autograd runs misses AOTAutograd's cache).
 
 Each job's first ``--steps`` steps (default 3: with ``.grad`` kept, the second step's
-backward is the first to see ``.grad`` tensors) are compared with ``compute_only``'s,
-and split into phases, summed over those steps: the forwards' Dynamo tracing (its own
+backward is the first to see ``.grad`` tensors) are timed one by one, between
+barriers, compared with ``compute_only``'s, and split into torch's compile phases
+(``dynamo_timed``), summed over those steps: the forwards' Dynamo tracing (its own
 part, without AOTAutograd and Inductor) and their AOTAutograd + Inductor; the
 backwards' compiled-autograd capture (the backward's wall time less the compiles in
 it: compiled autograd's tracing of the autograd graph and the hooks, and running the
