@@ -24,6 +24,7 @@ left in the graph is reported so that one can see each pass really fused.
     python -m bench.pass_time --quick                          # N = 100, 200, 400
     python -m bench.pass_time --sizes 100,1000 --skip-upstream-above 400
     python -m bench.pass_time --shape kept --sizes 800,3200   # into kept .grads (in place)
+    python -m bench.pass_time --shape sums --sizes 800,3200   # half of them biases' sums
     python -m bench.pass_time --sizes 800,3200 --collector both  # also with gc left on
 
 ``--collector both`` also times our passes with Python's garbage collector left on (the
@@ -106,7 +107,19 @@ def ours_kept_graph(n: int) -> torch.fx.GraphModule:
     return make_fx(fn, tracing_mode="fake")(*(torch.empty(SHAPE) for _ in range(n + 1)))
 
 
-GRAPHS = {"chain": ours_graph, "kept": ours_kept_graph}
+def ours_sums_graph(n: int) -> torch.fx.GraphModule:
+    """The chain, with every second gradient a bias's: a sum over the first dimension,
+    kept and viewed away (1-D, 4 KB), which the pass divides inside its sum (scale.py)."""
+
+    def reduce(g: torch.Tensor, i: int) -> torch.Tensor:
+        if i % 2:
+            g = g.sum(0, keepdim=True).view(-1)
+        return ddp_fusion.all_reduce_gradient(g, name=f"p{i}")
+
+    return make_fx(backward_like(n, reduce), tracing_mode="fake")(torch.empty(SHAPE))
+
+
+GRAPHS = {"chain": ours_graph, "kept": ours_kept_graph, "sums": ours_sums_graph}
 
 
 def upstream_graph(n: int) -> torch.fx.GraphModule:
@@ -233,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="do not run upstream's pass for graphs of more than N gradients")
     parser.add_argument("--shape", choices=sorted(GRAPHS), default="chain",
                         help="chain: each gradient a new tensor; kept: each copied into a graph "
-                             "input (a kept .grad; upstream's pass is not run on it)")
+                             "input (a kept .grad; upstream's pass is not run on it); sums: the "
+                             "chain with every second gradient a bias's, made by a sum")
     parser.add_argument("--collector", choices=("paused", "both"), default="paused",
                         help="both: also time our passes with the garbage collector left on")
     parser.add_argument("--out", default="pass_time.json", help="JSON output (relative: under bench/out/)")

@@ -281,6 +281,33 @@ def test_the_compiled_backward_leaves_checking_its_inputs_to_dynamos_guards():
     assert [n for n in re.findall(checks, backward[0]) if n.startswith("buf")]  # ddp_fusion's ops
 
 
+def test_the_sums_that_make_bias_and_norm_gradients_write_into_the_bucket():
+    """Issue 61 (scale.py): a gradient that a sum over the batch makes (a bias's, a
+    LayerNorm's weight's and bias's) is divided inside that sum, so Inductor's code
+    writes the reduction straight into the gradient's slice of the bucket (an alias of
+    it), with no buffer of its own to allocate and free each step; only the bucket's
+    last gradient, which the checked divisor scales, may keep one. The code before
+    gave 5 of the 6 such gradients a buffer each."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32), torch.nn.LayerNorm(32),
+        torch.nn.Linear(32, 4),
+    )
+    with ddp_fusion.config.patch(enabled=True), torch._inductor.config.patch(fx_graph_cache=False):
+        model = torch.compile(ddp_fusion.DistributedDataParallel(net))
+        _, codes = run_and_get_code(lambda: model(torch.randn(8, 16)).square().sum().backward())
+    torch._dynamo.reset()
+    (backward,) = [c for c in codes if "ddp_fusion" in c]
+    call = backward.split("def call(")[1]
+    # the six gradients of 32 elements a sum makes: 2 Linear biases, 2 x LayerNorm's two
+    own = re.findall(r"empty_strided_cpu\(\((?:1, 32|32, )\)", call)
+    slices = re.findall(r"reinterpret_tensor\(buf\d+, \(32, \), \(1, \), \d+\)  # alias", call)
+    assert len(own) <= 1 and len(slices) >= 5, call
+
+
 def test_each_hook_costs_the_compiled_backward_one_guard_on_its_own_values():
     """Dynamo guards, at every backward, what each traced hook reads. A hook reads what
     every hook of its model shares through one path (guarded once) and what is its

@@ -327,6 +327,72 @@ class TestInFlightBudget:
         assert self.order(16, algorithm) == ["issue", "wait"] * 3
 
 
+def bias_first_backward(x, w, shared):
+    """A bias's gradient (a sum over the batch, its kept dimension viewed away) ready
+    before a weight's; with ``shared``, the sum is read by something else too."""
+    s = (x * 3).sum(0, keepdim=True)
+    rb = ddp_fusion.all_reduce_gradient(s.view(-1), name="b")
+    rw = ddp_fusion.all_reduce_gradient(x.t() @ (x @ w), name="w")
+    return (rb, rw, s * 2) if shared else (rb, rw)
+
+
+@pytest.mark.usefixtures("fake_pg")
+@pytest.mark.parametrize("algorithm", ["concat", "coalesced"])
+class TestDividedInsideTheSum:
+    """scale.py: a gradient that a sum makes, other than its bucket's last, is divided
+    inside that sum, which then feeds the bucket directly (no buffer of its own in
+    Inductor's code); the old sum and its view go."""
+
+    def fused(self, algorithm, shared):
+        x, w = torch.randn(4, 3), torch.randn(3, 3)
+        gm = trace(lambda x, w: bias_first_backward(x, w, shared), x, w)
+        fuse(gm, algorithm=algorithm)
+        torch.testing.assert_close(gm(x, w), bias_first_backward(x, w, shared), rtol=0, atol=0)
+        (collective,) = [n for n in gm.graph.nodes if n.target in (BUCKET, BUCKET_COALESCED)]
+        reduced = collective.args[0]
+        inputs = reduced.args[0] if algorithm == "concat" else reduced  # (the cat's)
+        sums = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]
+        return inputs, sums
+
+    def test_a_bias_gradient_is_divided_inside_its_sum(self, algorithm):
+        inputs, sums = self.fused(algorithm, shared=False)
+        (s,) = sums
+        assert s.args[1] == [0] and len(s.args) == 2  # no kept dimension to view away
+        assert s.args[0].target is torch.ops.aten.div.Tensor
+        assert inputs[0] is s
+
+    def test_a_sum_read_elsewhere_is_divided_after(self, algorithm):
+        inputs, sums = self.fused(algorithm, shared=True)
+        (s,) = sums
+        assert s.args[0].target is torch.ops.aten.mul.Tensor
+        assert inputs[0] is not s
+
+
+@pytest.mark.parametrize("op, args", [
+    ("sum", ((4, 3), [0])),
+    ("sum", ((2, 4, 3), [0, 1])),
+    ("sum", ((2, 4, 3), [-3, 2])),
+    ("div", ((4, 3),)),
+    ("div", ((5,),)),
+])
+def test_the_pass_shortcuts_give_what_fake_dispatch_gives(op, args):
+    """The values NodeMaker sets without fake dispatch (passes/_graph.py) are what the
+    op gives: shape, strides, dtype, device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ddp_fusion.passes import _graph
+
+    mode = FakeTensorMode()
+    x = mode.from_tensor(torch.randn(*args[0]))
+    target = {"sum": torch.ops.aten.sum.dim_IntList, "div": torch.ops.aten.div.Tensor}[op]
+    call = (x, args[1]) if op == "sum" else (x, mode.from_tensor(torch.tensor(2.0)))
+    got = _graph._SHORTCUTS[target](mode, target, *call)
+    with mode:
+        want = target(*call)
+    assert got is not None
+    assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype, want.device)
+
+
 @pytest.mark.usefixtures("fake_pg")
 class TestWhatIsFused:
     @pytest.mark.parametrize("algorithm", ["concat", "coalesced"])

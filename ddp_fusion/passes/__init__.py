@@ -4,6 +4,7 @@
     bucketing.py    plan buckets per (group, dtype, device, reduce op, limits), DDP's rule
     guard.py        one cross-rank plan check per group, before its first bucket is issued
     concat.py       rewrite a bucket as cat + div + all_reduce + split
+    scale.py        (for both) a gradient a sum makes: divided inside that sum
     coalesced.py    rewrite a bucket as _foreach_div + all_reduce_coalesced
     in_place.py     a bucket of kept .grads: write each into its .grad, reduce them in place
     absent.py       find_unused_parameters: gradients absent here, which were used, the fix-up
@@ -55,6 +56,7 @@ from .collectives import Unfused, find_gradient_all_reduces, op_args
 from .concat import fuse_concat
 from .guard import group_plans, insert_plan_guards, place_guards
 from .in_place import fuse_in_place, kept_grads
+from .scale import erase_unread
 from .schedule import sink_waits
 
 __all__ = ["FusionResult", "fuse_ddp_allreduces"]
@@ -168,6 +170,7 @@ def fuse_ddp_allreduces(
             fused.append(_FUSERS[algorithm](make, bucket, after, divisors, last, label))
     new = {g.node: out for fb in fused for g, out in zip(fb.bucket.grads, fb.outputs) if not g.is_absent}
     _replace_all(graph, new | {old: out for fb in fused for old, out in fb.replaced.items()})
+    erase_unread(graph, [g.grad for fb in fused for g in fb.bucket.grads if not g.is_absent])
     absent.insert_fixups(make, fused, absent.insert_used_starts(make, buckets, starts))
     for u, key in zip(checked, unfused_keys):
         _check_unfused(make, u, guards[key][1])

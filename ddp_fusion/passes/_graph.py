@@ -117,6 +117,17 @@ def _cat(mode: Any, op: Any, tensors: Any, dim: int = 0) -> Any:
     return _torch.tensors.fake_empty(mode, tensors[0], numel=sum(t.numel() for t in tensors))
 
 
+def _sum(mode: Any, op: Any, x: Any, dims: Any, keepdim: bool = False) -> Any:
+    # a sum over every dimension but one, none kept: a bias's gradient (scale.py)
+    if keepdim or not dims or not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        return None
+    reduced = {d % x.dim() for d in dims}
+    left = [n for d, n in enumerate(x.shape) if d not in reduced]
+    if len(left) != 1 or not isinstance(left[0], int):
+        return None
+    return _torch.tensors.fake_empty(mode, x, numel=left[0])
+
+
 def _copy(mode: Any, op: Any, dst: Any, src: Any) -> Any:
     # copy_ returns its destination (a gradient copied into its kept .grad)
     if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.shape == src.shape:
@@ -146,6 +157,7 @@ _SHORTCUTS: dict[Any, _Shortcut] = {
     _aten.div.Tensor: _scale,
     _aten._foreach_div.Tensor: _scale_all,
     _aten.cat.default: _cat,
+    _aten.sum.dim_IntList: _sum,
     torch.ops.prims.convert_element_type.default: _convert,
     _aten.copy_.default: _copy,
     # the bucket collectives and their waits, in place (ops.py)

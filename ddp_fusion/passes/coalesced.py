@@ -2,7 +2,9 @@
 
 Before: as in concat.py. After (inserted right after the last of g1..gn is computed)::
 
-    s = _foreach_div([g1 ... gn], divisor)     # divisor: world size, or 1 for "sum"
+    s = _foreach_div([g1 ... gn], divisor)     # divisor: world size, or 1 for "sum";
+                                               # a bias's gradient: divided inside its
+                                               # sum instead (scale.py)
     ddp_fusion.all_reduce_bucket_coalesced([s1 ... sn], group)   # in place; returns at once
     ddp_fusion.wait_bucket([s1 ... sn])                           # moved later by schedule.py
     r1 = alias(s1) ... rn = alias(sn)          # (or the cast back, or the permute back)
@@ -29,6 +31,7 @@ from ..ops import ALL_REDUCE_BUCKET_COALESCED, WAIT_BUCKET
 from ._graph import NodeMaker
 from .bucketing import Bucket
 from .collectives import GradAllReduce, is_identity as _is_identity
+from .scale import divided_inside_sum
 from .schedule import FusedBucket
 
 aten = torch.ops.aten
@@ -58,12 +61,18 @@ def fuse_coalesced(
                 for g in grads
             ]
         at = bucket.grads.index(last)
-        rest = grads[:at] + grads[at + 1:]
-        items = []
+        items: list[torch.fx.Node | None] = [None] * len(grads)
+        if key.comm_dtype is None:  # a gradient a sum makes: divided inside it (scale.py)
+            for i, g in enumerate(bucket.grads):
+                if i != at:
+                    items[i] = divided_inside_sum(make, g, divisor)
+        rest = [i for i in range(len(grads)) if i != at and items[i] is None]
         if rest:
-            scaled = make(aten._foreach_div.Tensor, (rest, divisor), name=f"{label}_scale")
-            items = [make(operator.getitem, (scaled, i)) for i in range(len(rest))]
-        items.insert(at, make(aten.div.Tensor, (grads[at], checked), name=f"{label}_scale_checked"))
+            scaled = make(aten._foreach_div.Tensor, ([grads[i] for i in rest], divisor),
+                          name=f"{label}_scale")
+            for j, i in enumerate(rest):
+                items[i] = make(operator.getitem, (scaled, j))
+        items[at] = make(aten.div.Tensor, (grads[at], checked), name=f"{label}_scale_checked")
         # the fp32 divisor promotes a 0-d bf16/fp16 gradient to fp32; round those back
         # (the same result as eager DDP's div_ of a bf16 bucket)
         wire_dtype = key.comm_dtype or key.dtype

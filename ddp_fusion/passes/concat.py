@@ -36,7 +36,9 @@ wait.
 (or a ``plan_divisor``) and ``plan_guard`` (guard.py; the same value, the second after
 the cross-rank plan check; ``gn`` is the last gradient to be ready): the world size for
 ``avg``, 1 for ``sum`` and for a comm hook's bucket. The division happens before the
-sum, as in eager DDP, so low-precision gradients do not overflow.
+sum, as in eager DDP, so low-precision gradients do not overflow. A gradient that a sum
+over the batch makes (a bias's) is divided inside that sum instead (scale.py), and the
+reduction writes it into its slice.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ..plan import laid_out
 from ._graph import NodeMaker
 from .bucketing import Bucket
 from .collectives import GradAllReduce, is_identity as _is_identity
+from .scale import divided_inside_sum
 from .schedule import FusedBucket
 
 aten = torch.ops.aten
@@ -76,6 +79,10 @@ def fuse_concat(
     with make.graph.inserting_before(after.next):
         flats = []
         for g in bucket.grads:
+            inside = None if g is last or key.comm_dtype is not None else divided_inside_sum(make, g, divisor)
+            if inside is not None:  # (scale.py)
+                flats.append(inside)
+                continue
             flat = _flatten(make, g)
             if key.comm_dtype is not None:
                 flat = make(prims.convert_element_type.default, (flat, key.comm_dtype))
