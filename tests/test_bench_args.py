@@ -265,3 +265,24 @@ def test_step_time_flags_a_compiled_mode_that_compiled_nothing():
     assert "compiled nothing" in lines["ddp_optimizer"]
     assert "compiled nothing" not in lines["ddp_fusion_concat"]
     assert "compiled nothing" not in lines["eager_ddp"]  # not a compiled mode
+
+
+def test_backward_call_counts_statements_and_refuses_a_checkout_without_ddp_fusion(capsys, tmp_path):
+    from bench import backward_call
+
+    code = "\n".join([
+        "def call(self, args):",
+        "    buf0 = empty_strided_cpu((4, ), (1, ), torch.float32)",
+        "    buf1 = reinterpret_tensor(buf0, (2, ), (1, ), 0)  # alias",
+        "    cpp_fused_0(buf1)",
+        "    del buf1",
+        "    return (reinterpret_tensor(buf0, (2, ), (1, ), 0), reinterpret_tensor(buf0, (2, ), (1, ), 2), )",
+        "",
+        "runner = Runner(partitions=[])",
+    ])
+    n = backward_call.kinds(code)
+    assert [n[k] for k in ("empty_strided", "alias of a bucket slice", "generated kernel", "del",
+                           "views returned")] == [1, 1, 1, 1, 2]
+    with pytest.raises(SystemExit):
+        backward_call.main(["--baseline", str(tmp_path)])
+    assert "no ddp_fusion package" in capsys.readouterr().err
