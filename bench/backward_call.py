@@ -45,7 +45,6 @@ def compile_backward(model_name: str, zero_grad: str, out: str) -> None:
     backward's Inductor module to ``out``."""
     import torch
     import torch.distributed as dist
-    from torch._inductor.utils import run_and_get_code
 
     import ddp_fusion
     from bench._lib import _torch
@@ -57,16 +56,15 @@ def compile_backward(model_name: str, zero_grad: str, out: str) -> None:
     model = torch.compile(torch.nn.parallel.DistributedDataParallel(net))
     loss = loss_of(model_name, model)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    codes: list[str] = []
-    with torch._inductor.config.patch(fx_graph_cache=False):
+    with _torch.isolated_compile():  # (no FX graph cache: each graph's module is new)
         for x, y in make_batches(model_name, 0, 3):
-            _, new = run_and_get_code(lambda x=x, y=y: loss(x, y).backward())
-            codes += new
+            loss(x, y).backward()
             opt.step()
             opt.zero_grad(set_to_none=zero_grad == "none")
-    backward = [c for c in codes if "torch.ops.ddp_fusion." in c]
+    sources = [open(m.__file__).read() for m in _torch.inductor_modules()]
+    backward = [code for code in sources if "torch.ops.ddp_fusion." in code]
     if not backward:
-        raise SystemExit(f"no backward graph of ddp_fusion's among {len(codes)} compiled")
+        raise SystemExit(f"no backward graph of ddp_fusion's among {len(sources)} compiled")
     with open(out, "w") as f:
         f.write(backward[-1])
 
