@@ -5,7 +5,12 @@ One process, world size 1 (gloo, no communication), a host-bound model (``--mode
 the step is host time. Each mode runs in a process of its own: ``ddp_fusion`` (the
 wrapper, concat) and ``compiled_autograd``
 (the model in a one-line wrapper module, backward through compiled autograd and
-Inductor, no DDP: ddp_fusion's own floor). For each:
+Inductor, no DDP: ddp_fusion's own floor). With ``--peers``, three more:
+``ddp_optimizer`` (torch's DDP, compiled: DDPOptimizer), ``compiled`` (the one-line
+wrapper, ``torch.compile`` alone: DDPOptimizer's floor) and ``eager_ddp`` (torch's DDP,
+not compiled). At world size 1 a step is the host's work alone (no peer to wait for,
+gloo's all-reduce of one rank), so the cost each mode adds over its own floor, per
+parameter, is measured here without two ranks' scheduling noise. For each:
 
 * the step: the processes take turns at timing rounds (the order turning each round),
   so that a slower spell of the machine falls on both; the median of the round medians,
@@ -43,6 +48,10 @@ from collections import Counter
 from typing import Any
 
 MODES = ("ddp_fusion", "compiled_autograd")
+PEERS = ("ddp_optimizer", "compiled", "eager_ddp")
+"""``--peers``: DDPOptimizer, its floor (``torch.compile`` alone), eager DDP."""
+FLOOR = {"ddp_fusion": "compiled_autograd", "ddp_optimizer": "compiled", "eager_ddp": "compiled"}
+COMPILED_AUTOGRAD = ("ddp_fusion", "compiled_autograd")
 BASELINE = "ddp_fusion@baseline"
 """ddp_fusion from the checkout ``--baseline`` names (its own bench and ddp_fusion)."""
 MODELS = ("mlp_host", "mlp_params")
@@ -93,22 +102,26 @@ def worker(mode: str, zero_grad: str, steps: int, model_name: str) -> dict[str, 
     torch.set_num_threads(1)
     net = make_model(model_name)
     ((x, y),) = make_batches(model_name, 0, 1)
+
+    class Plain(nn.Module):  # a forward frame like the wrapper's
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args: Any) -> Any:
+            return self.module(*args)
+
     if mode == "ddp_fusion":
         ddp_fusion.config.enabled = True
         model: nn.Module = ddp_fusion.DistributedDataParallel(net)
+    elif mode in ("ddp_optimizer", "eager_ddp"):
+        model = nn.parallel.DistributedDataParallel(net)
     else:
-        class Plain(nn.Module):  # a forward frame like the wrapper's
-            def __init__(self, module: nn.Module) -> None:
-                super().__init__()
-                self.module = module
-
-            def forward(self, *args: Any) -> Any:
-                return self.module(*args)
-
-        _ca = _torch.compiled_autograd(dynamic=False)
-        _ca.__enter__()  # for the life of the process
+        if mode == "compiled_autograd":
+            _ca = _torch.compiled_autograd(dynamic=False)
+            _ca.__enter__()  # for the life of the process
         model = Plain(net)
-    loss = loss_of(model_name, torch.compile(model))
+    loss = loss_of(model_name, model if mode == "eager_ddp" else torch.compile(model))
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
 
     def step(backward_profiler: Any = None) -> None:
@@ -137,19 +150,21 @@ def worker(mode: str, zero_grad: str, steps: int, model_name: str) -> dict[str, 
     frames: dict[str, Any] = {}
     with _torch.frames_called(lambda kind, frame: frames.setdefault(kind, frame)):
         step()
-    guards = {}
-    for kind in ("forward", "backward"):
+    guards: dict[str, float | None] = {"forward": None, "backward": None}
+    for kind in ("forward", "backward") if mode != "eager_ddp" else ():
+        if kind not in frames:  # (no compiled-autograd frame: a peer's backward)
+            continue
         code, f_locals = frames[kind]
         timed = [t for t in _torch.guard_check_us(code, f_locals, 300, kind == "forward") if t is not None]
         guards[kind] = timed[0] if timed else None
 
     wrapper: dict[str, list[float]] | None = None
     try:
-        from line_profiler import LineProfiler
+        import line_profiler
     except ImportError:
-        pass
-    else:
-        profiler = LineProfiler()
+        line_profiler = None
+    if line_profiler is not None and mode in COMPILED_AUTOGRAD:  # (one backward graph to read)
+        profiler = line_profiler.LineProfiler()
         modules = [m for m in _torch.inductor_modules() if hasattr(m, "Runner")]
         for m in modules:
             profiler.add_function(m.Runner.call)
@@ -169,6 +184,7 @@ def worker(mode: str, zero_grad: str, steps: int, model_name: str) -> dict[str, 
     params = sum(1 for _ in net.parameters())
     counters = _torch.counters()
     return {"mode": mode, "params": params, "buckets_per_graph": _buckets(counters),
+            "dynamo_graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
             "guard_us": guards, "wrapper_ms": wrapper}
 
 
@@ -207,7 +223,7 @@ def _buckets(counters: dict[str, Any]) -> float | None:
 def table(results: list[dict[str, Any]]) -> str:
     by = {r["mode"]: r for r in results}
     fused, floor = by.get("ddp_fusion"), by.get("compiled_autograd")
-    rows = ["| | " + " | ".join(by) + " | difference per parameter |", "|---|" + "---:|" * (len(by) + 1)]
+    rows = ["", ""]
 
     def row(label: str, values: list[float | None], scale: float) -> None:
         cells = [f"{v:.3f}" if v is not None else "n/a" for v in values]
@@ -216,8 +232,9 @@ def table(results: list[dict[str, Any]]) -> str:
             diff = f"{(values[0] - values[1]) * scale / fused['params']:.2f} µs"
         rows.append(f"| {label} | " + " | ".join(cells) + f" | {diff} |")
 
-    order = [by[m] for m in (*MODES, BASELINE) if m in by]
+    order = [by[m] for m in (*MODES, BASELINE) if m in by]  # (the peers: over_floor's table)
     rows[0] = "| | " + " | ".join(r["mode"] for r in order) + " | difference per parameter |"
+    rows[1] = "|---|" + "---:|" * (len(order) + 1)
     row("step, ms (median of round medians)", [r["step_ms"] for r in order], 1e3)
     for kind in ("forward", "backward"):
         row(f"guards of the {kind} frame, µs per step", [r["guard_us"][kind] for r in order], 1.0)
@@ -233,9 +250,30 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def over_floor(results: list[dict[str, Any]]) -> str:
+    """Each mode's step over its own floor's (ddp_fusion: compiled autograd's; DDPOptimizer
+    and eager DDP: ``torch.compile``'s), per step and per parameter; a compiled mode whose
+    process made no Dynamo graph is marked."""
+    by = {r["mode"]: r for r in results}
+    rows = ["| mode | step, ms | Dynamo graphs | floor | over floor, ms | per parameter, µs |",
+            "|---|---:|---:|---|---:|---:|"]
+    for r in results:
+        mode = r["mode"].split("@")[0]
+        floor = by.get(FLOOR.get(mode, ""))
+        graphs = r.get("dynamo_graphs")
+        mark = " (compiled nothing)" if graphs == 0 and mode != "eager_ddp" else ""
+        over = "" if floor is None else f"{r['step_ms'] - floor['step_ms']:+.3f}"
+        per = "" if floor is None else f"{(r['step_ms'] - floor['step_ms']) * 1e3 / r['params']:+.2f}"
+        rows.append(f"| {r['mode']}{mark} | {r['step_ms']:.3f} | {graphs if graphs is not None else ''} | "
+                    f"{floor['mode'] if floor else ''} | {over} | {per} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from: {','.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, from: {','.join(MODES + PEERS)}")
+    parser.add_argument("--peers", action="store_true", help=f"add the modes {','.join(PEERS)}")
     parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
                         help="each step's optimizer.zero_grad: set_to_none=True (none) or False (zeros)")
     parser.add_argument("--rounds", type=int, default=10, help="rounds, the modes' processes taking turns")
@@ -252,7 +290,9 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     modes = args.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
+    if args.peers:
+        modes += [m for m in PEERS if m not in modes]
+    bad = [m for m in modes if m not in MODES + PEERS]
     if bad:
         parser.error(f"unknown modes {bad}")
     if args.baseline:
@@ -295,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     print(ratio_lines(medians))
     print(f"\n{args.model}, world size 1, zero_grad set_to_none={args.zero_grad == 'none'}\n")
     print(table(results))
+    print()
+    print(over_floor(results))
     out = args.out if os.path.isabs(args.out) else os.path.join(os.path.dirname(__file__), "out", args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

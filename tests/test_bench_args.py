@@ -286,3 +286,26 @@ def test_backward_call_counts_statements_and_refuses_a_checkout_without_ddp_fusi
     with pytest.raises(SystemExit):
         backward_call.main(["--baseline", str(tmp_path)])
     assert "no ddp_fusion package" in capsys.readouterr().err
+
+
+def test_host_cost_peers_are_each_measured_over_their_own_floor(capsys):
+    """``--peers``: DDPOptimizer and eager DDP over ``torch.compile``'s floor, ddp_fusion
+    over compiled autograd's, per parameter; a compiled mode that made no graph is
+    marked; the wrapper table keeps ddp_fusion's and its floor's columns only."""
+    from bench import host_cost
+
+    def r(mode, ms, graphs):
+        return {"mode": mode, "params": 4, "step_ms": ms, "dynamo_graphs": graphs,
+                "guard_us": {"forward": 1.0, "backward": None}, "wrapper_ms": None}
+
+    results = [r("ddp_fusion", 3.0, 2), r("compiled_autograd", 2.0, 2), r("ddp_optimizer", 4.0, 0),
+               r("compiled", 2.5, 1), r("eager_ddp", 5.0, 0)]
+    lines = host_cost.over_floor(results).splitlines()
+    assert lines[2] == "| ddp_fusion | 3.000 | 2 | compiled_autograd | +1.000 | +250.00 |"
+    assert lines[4] == "| ddp_optimizer (compiled nothing) | 4.000 | 0 | compiled | +1.500 | +375.00 |"
+    assert lines[6] == "| eager_ddp | 5.000 | 0 | compiled | +2.500 | +625.00 |"
+    header, sep = host_cost.table(results).splitlines()[:2]
+    assert header.count("|") == sep.count("|") == 5
+    with pytest.raises(SystemExit):
+        host_cost.main(["--modes", "ddp_fusion,ddp_optimizr"])
+    assert "ddp_optimizr" in capsys.readouterr().err
