@@ -417,8 +417,10 @@ def graph_text(plan: str) -> str:
     """The plan as the graph passes it to ``plan_check_start`` each step: the JSON
     itself (readable in graph dumps) up to :data:`GRAPH_TEXT_RAW_MAX` characters, else
     zlib-compressed and base85-encoded (about 15x shorter: a plan's gradient names
-    repeat their prefixes)."""
-    if len(plan) <= GRAPH_TEXT_RAW_MAX:
+    repeat their prefixes). Always encoded in a graph that gets C++ wrapper code, which
+    writes a ``str`` argument into a C++ string literal as it is (the JSON's quotes
+    would end it); base85's characters need no escape there."""
+    if len(plan) <= GRAPH_TEXT_RAW_MAX and not _torch.inductor.cpp_wrapper():
         return plan
     return _COMPRESSED + base64.b85encode(zlib.compress(plan.encode(), 6)).decode("ascii")
 

@@ -67,6 +67,27 @@ def test_fused_backward_matches_unfused(unfused_grads, algorithm, tmp_path):
         assert "ddp_fusion.all_reduce_gradient" not in after
 
 
+def test_a_backward_compiled_to_cpp_wrapper_code_fuses_and_matches_unfused(unfused_grads):
+    """Inductor's ``cpp_wrapper`` (as AOTInductor) writes an op's ``str`` arguments into
+    C++ string literals unescaped: the plan's JSON, passed as it is up to 4 KB, ended
+    the literal at its first quote, and the fused backward failed to compile. The plan
+    is always encoded there (base85, no quote or backslash) and decodes to the same."""
+    from ddp_fusion.plan_check import from_graph_text, graph_text
+
+    plan = '{"buckets": [{"grads": ["0.weight", "0.bias\\"]}]}'
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        text = graph_text(plan)
+    assert not set(text) & set('"\\\n') and from_graph_text(text) == plan
+    assert graph_text(plan) == plan  # (Python wrapper code: readable in graph dumps)
+    counters.clear()
+    with torch._inductor.config.patch(cpp_wrapper=True, fx_graph_cache=False):
+        grads = grads_after_steps(enabled=True)
+    # two graphs (new .grads, then kept ones reduced in place), two buckets each
+    assert counters["ddp_fusion"]["buckets"] == 2 * 2
+    for got, want in zip(grads, unfused_grads):
+        torch.testing.assert_close(got, want)
+
+
 def test_fx_graph_cache_miss_then_hit(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     counters.clear()

@@ -20,6 +20,7 @@ REQUIRED = (
     "torch._TorchCompileInductorWrapper",
     "torch._inductor.graph.GraphLowering.__init__",
     "torch._inductor.codegen.wrapper.PythonWrapperCodegen.codegen_input_size_asserts",
+    "torch._inductor.config.cpp_wrapper",
 )
 
 #: Attributes of objects (not importable names) this module reads, and why that is safe.
@@ -33,6 +34,13 @@ def config() -> Any:
     import torch._inductor.config as inductor_config
 
     return inductor_config
+
+
+def cpp_wrapper() -> bool:
+    """Whether the graph being compiled gets C++ wrapper code (``cpp_wrapper``, which
+    AOTInductor turns on too): its ``str`` arguments of ops become C++ string literals,
+    written as they are, without escaping."""
+    return bool(config().cpp_wrapper)
 
 
 POST_GRAD_SLOT = patching.Setting(
