@@ -306,6 +306,8 @@ def test_host_cost_peers_are_each_measured_over_their_own_floor(capsys):
     assert lines[6] == "| eager_ddp | 5.000 | 0 | compiled | +2.500 | +625.00 |"
     header, sep = host_cost.table(results).splitlines()[:2]
     assert header.count("|") == sep.count("|") == 5
+    hooks = host_cost.over_floor([r("compiled_autograd", 2.0, 2), r(host_cost.HOOKS, 2.5, 2)]).splitlines()
+    assert hooks[3] == "| compiled_autograd_hooks | 2.500 | 2 | compiled_autograd | +0.500 | +125.00 |"
     with pytest.raises(SystemExit):
         host_cost.main(["--modes", "ddp_fusion,ddp_optimizr"])
     assert "ddp_optimizr" in capsys.readouterr().err
