@@ -8,8 +8,10 @@ has buckets, and no graph break."""
 import json
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -19,19 +21,69 @@ from ddp_fusion import _torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+# What a process prints when it aborts at interpreter exit (see _torchrun).
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(script, mode, out, *extra):
     # the flight recorder on: the scripts count every all-reduce with it, a comm hook's
-    # too, which the profiler can miss (examples/_common.py, AllReduces)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", _torch.distributed.FLIGHT_RECORDER_ENV: "4096"}
+    # too, which the profiler can miss (examples/_common.py, AllReduces); faulthandler
+    # prints every thread's Python stack should a rank abort
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           _torch.distributed.FLIGHT_RECORDER_ENV: "4096"}
     env.pop("DDP_FUSION", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "examples" / script), "--mode", mode, "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and mode == "eager" and _aborted_after_its_results(proc, out):
+        # The reference run (torch's eager DDP; ddp_fusion only imported) sometimes aborts
+        # in interpreter teardown after every rank wrote its results: twice in about 70 CI
+        # runs (HF Trainer, then Accelerate), never in 120 runs of the Accelerate example
+        # here, idle and loaded. Its results are torch's and deterministic, so it runs
+        # once more; a fused run that aborts fails the test.
+        warnings.warn(f"{script} --mode eager aborted at exit after its results; run again:\n"
+                      f"{proc.stderr[-3000:]}", stacklevel=2)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return _results(out)
+
+
+def _results(out):
     return [
         (json.loads(pathlib.Path(f"{out}.{r}.json").read_text()), torch.load(f"{out}.{r}.pt"))
         for r in range(2)
     ]
+
+
+def _aborted_after_its_results(proc, out) -> bool:
+    """A rank died of SIGABRT with the teardown message, after every rank had printed
+    and saved its results."""
+    printed = sum(line.startswith('{"rank": ') for line in proc.stdout.splitlines())
+    if TEARDOWN_ABORT not in proc.stderr + proc.stdout or printed < 2:
+        return False
+    try:
+        _results(out)
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError):
+        # a result file missing or cut short: not a teardown abort
+        return False
+    return True
+
+
+def test_only_an_abort_at_exit_after_complete_results_counts_as_a_teardown_abort(tmp_path):
+    out = tmp_path / "eager"
+    printed = "".join(f'{{"rank": {r}}}\n' for r in range(2))
+
+    def proc(stdout, stderr):
+        return subprocess.CompletedProcess([], -6, stdout, stderr)
+
+    for r in range(2):
+        pathlib.Path(f"{out}.{r}.json").write_text(f'{{"rank": {r}}}')
+        torch.save({"w": torch.zeros(1)}, f"{out}.{r}.pt")
+    assert _aborted_after_its_results(proc(printed, TEARDOWN_ABORT), out)
+    assert not _aborted_after_its_results(proc(printed, "RuntimeError: boom"), out)
+    assert not _aborted_after_its_results(proc(printed.splitlines()[0], TEARDOWN_ABORT), out)
+    pathlib.Path(f"{out}.1.pt").write_bytes(b"cut")
+    assert not _aborted_after_its_results(proc(printed, TEARDOWN_ABORT), out)
 
 
 @pytest.mark.parametrize(
