@@ -12,7 +12,8 @@ not compiled). At world size 1 a step is the host's work alone (no peer to wait 
 gloo's all-reduce of one rank), so the cost each mode adds over its own floor, per
 parameter, is measured here without two ranks' scheduling noise. The mode
 ``compiled_autograd_hooks`` (``--modes``) is the floor with a hook per parameter that
-reads a tag and does nothing: what the hooks alone cost. For each:
+reads a tag and does nothing: what the hooks alone cost; ``compiled_autograd_shared_hook``
+the same with one hook function, reading nothing, for every parameter. For each:
 
 * the step: the processes take turns at timing rounds (the order turning each round),
   so that a slower spell of the machine falls on both; the median of the round medians,
@@ -56,9 +57,12 @@ HOOKS = "compiled_autograd_hooks"
 """The compiled-autograd floor with a post-accumulate-grad hook per parameter that reads
 a tag of its own from its closure and does nothing with it, as ddp_fusion's hooks read
 theirs: what per-parameter hooks cost compiled autograd and Dynamo by themselves."""
+SHARED_HOOK = "compiled_autograd_shared_hook"
+"""The same, with one hook function for every parameter that reads nothing (no closure):
+what the hooks cost when nothing of a parameter's own is guarded."""
 FLOOR = {"ddp_fusion": "compiled_autograd", "ddp_optimizer": "compiled", "eager_ddp": "compiled",
-         HOOKS: "compiled_autograd"}
-COMPILED_AUTOGRAD = ("ddp_fusion", "compiled_autograd", HOOKS)
+         HOOKS: "compiled_autograd", SHARED_HOOK: "compiled_autograd"}
+COMPILED_AUTOGRAD = ("ddp_fusion", "compiled_autograd", HOOKS, SHARED_HOOK)
 BASELINE = "ddp_fusion@baseline"
 """ddp_fusion from the checkout ``--baseline`` names (its own bench and ddp_fusion)."""
 MODELS = ("mlp_host", "mlp_params")
@@ -124,12 +128,15 @@ def worker(mode: str, zero_grad: str, steps: int, model_name: str) -> dict[str, 
     elif mode in ("ddp_optimizer", "eager_ddp"):
         model = nn.parallel.DistributedDataParallel(net)
     else:
-        if mode in ("compiled_autograd", HOOKS):
+        if mode in ("compiled_autograd", HOOKS, SHARED_HOOK):
             _ca = _torch.compiled_autograd(dynamic=False)
             _ca.__enter__()  # for the life of the process
         if mode == HOOKS:
             for i, (name, p) in enumerate(net.named_parameters()):
                 p.register_post_accumulate_grad_hook(_tag_reading_hook(f"0:{i}:{i}:{name}"))
+        if mode == SHARED_HOOK:
+            for p in net.parameters():
+                p.register_post_accumulate_grad_hook(_shared_hook)
         model = Plain(net)
     loss = loss_of(model_name, model if mode == "eager_ddp" else torch.compile(model))
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -205,6 +212,10 @@ def _tag_reading_hook(tag: str) -> Any:
             param.grad.mul_(2)
 
     return hook
+
+
+def _shared_hook(param: Any) -> None:
+    """One hook for every parameter; reads nothing and does nothing."""
 
 
 def _expect(workers: dict[str, Any], mode: str, tag: str) -> str:
@@ -291,7 +302,7 @@ def over_floor(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n")[0])
     parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated, from: {','.join((*MODES, *PEERS, HOOKS))}")
+                        help=f"comma-separated, from: {','.join((*MODES, *PEERS, HOOKS, SHARED_HOOK))}")
     parser.add_argument("--peers", action="store_true", help=f"add the modes {','.join(PEERS)}")
     parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
                         help="each step's optimizer.zero_grad: set_to_none=True (none) or False (zeros)")
@@ -311,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     modes = args.modes.split(",")
     if args.peers:
         modes += [m for m in PEERS if m not in modes]
-    bad = [m for m in modes if m not in (*MODES, *PEERS, HOOKS)]
+    bad = [m for m in modes if m not in (*MODES, *PEERS, HOOKS, SHARED_HOOK)]
     if bad:
         parser.error(f"unknown modes {bad}")
     if args.baseline:
