@@ -584,6 +584,11 @@ class GradSync:
         # the model's buffers to broadcast (None: broadcast_buffers off), for a joined
         # rank's shadow of the buffer broadcast (join.py); set by the model
         self.buffers_of: Any = lambda: None
+        # whether the module had buffers DDP does not ignore when it was wrapped (set by
+        # the model). As torch DDP (its modules_buffers), a model without any never
+        # broadcasts buffers, and so its forward, traced, does not walk every module
+        # for them: Dynamo would guard each module's buffers and submodules at every step
+        self.wrapped_with_buffers = True
         # parameter names DDP was told to ignore (torch DDP's parameters_to_ignore)
         self.ignored: set[str] = set()
         # the module's parameters that did not require grad at construction: no hook,

@@ -129,6 +129,7 @@ def adopt(ddp: nn.parallel.DistributedDataParallel, arguments: dict[str, Any]) -
     ddp._ddp_fusion = sync
     me = weakref.ref(ddp)
     sync.buffers_of = lambda: _buffers(me())
+    sync.wrapped_with_buffers = any(n not in ignored for n, _ in ddp.module.named_buffers())
     sync.ignored = ignored
     ddp.__class__ = _torch.ddp.adopted_class(type(ddp), _BEHAVIOUR)
 
@@ -167,8 +168,9 @@ class _Behaviour(_torch.ddp.AdoptedBehaviour):
 
 
 def _buffers(ddp: Any) -> list | None:
-    """The buffers torch DDP broadcasts at a forward (None: broadcast_buffers off)."""
-    if ddp is None or not _torch.ddp.forward_sync_buffers(ddp):
+    """The buffers torch DDP broadcasts at a forward (None: broadcast_buffers off, or no
+    buffers when adopted: ``GradSync.wrapped_with_buffers``)."""
+    if ddp is None or not _torch.ddp.forward_sync_buffers(ddp) or not ddp._ddp_fusion.wrapped_with_buffers:
         return None
     ignored = _torch.ddp.ignored_names(ddp)
     return [b for n, b in ddp.module.named_buffers() if n not in ignored]

@@ -181,6 +181,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._params = params
         me_ = weakref.ref(self)
         self._sync.buffers_of = lambda: _wrapper_buffers(me_())
+        self._sync.wrapped_with_buffers = any(n not in ignored for n, _ in module.named_buffers())
 
     @property
     def bucket_sizing(self) -> Any:
@@ -258,7 +259,9 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 
 def _wrapper_buffers(wrapper: DistributedDataParallel | None) -> list[torch.Tensor] | None:
-    if wrapper is None or not wrapper.broadcast_buffers:
+    """The buffers the model broadcasts at a forward (None: it does not; see
+    ``GradSync.wrapped_with_buffers``)."""
+    if wrapper is None or not wrapper.broadcast_buffers or not wrapper._sync.wrapped_with_buffers:
         return None
     if wrapper.parameters_to_ignore:
         return [b for n, b in wrapper.module.named_buffers() if n not in wrapper.parameters_to_ignore]

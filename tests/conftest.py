@@ -4,6 +4,7 @@ import logging
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ddp_fusion import _torch
@@ -31,3 +32,23 @@ def _ddp_fusion_records_reach_caplog():
     propagate, log.propagate = log.propagate, True
     yield
     log.propagate = propagate
+
+
+@pytest.fixture
+def dynamo_guards():
+    """A list that receives the text of the guards Dynamo builds during the test
+    (``TORCH_LOGS=guards``), one entry per compiled frame."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger, keep = logging.getLogger("torch._dynamo.guards.__guards"), Keep()
+    logger.addHandler(keep)
+    torch._logging.set_logs(guards=True)
+    try:
+        yield records
+    finally:
+        torch._logging.set_logs()
+        logger.removeHandler(keep)

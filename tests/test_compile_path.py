@@ -329,35 +329,23 @@ def test_the_sums_that_make_bias_and_norm_gradients_write_into_the_bucket():
     assert len(own) <= 1 and len(slices) >= 5, call
 
 
-def test_each_hook_costs_the_compiled_backward_one_guard_on_its_own_values():
+def test_each_hook_costs_the_compiled_backward_one_guard_on_its_own_values(dynamo_guards):
     """Dynamo guards, at every backward, what each traced hook reads. A hook reads what
     every hook of its model shares through one path (guarded once) and what is its
     parameter's own (model, index, ready position, name) from one closure string: per
     hook, the hook, its code and that one cell, and no guard on the model's name or
     ready-position tables item by item (issue 36: 5 guard nodes and 2 checks per hook, from 8
-    and 5)."""
-    import logging
+    and 5). The forward guards no module's buffers (issue 61)."""
     import re
 
-    records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logger, keep = logging.getLogger("torch._dynamo.guards.__guards"), Keep()
     torch._dynamo.reset()
-    logger.addHandler(keep)
-    torch._logging.set_logs(guards=True)
     try:
         with ddp_fusion.config.patch(enabled=True):
             model = torch.compile(ddp_fusion.DistributedDataParallel(mlp()))
             model(torch.randn(16, 32)).sum().backward()
     finally:
-        torch._logging.set_logs()
-        logger.removeHandler(keep)
         torch._dynamo.reset()
-    text = "\n".join(records)
+    text = "\n".join(dynamo_guards)
     sources: dict[str, list[str]] = {}
     for hook, rest in re.findall(r"source=L\['hooks'\]\[(\d+)\]([^,]*),", text):
         sources.setdefault(hook, []).append(re.sub(r"\[\d+\]", "[k]", rest))
@@ -366,6 +354,9 @@ def test_each_hook_costs_the_compiled_backward_one_guard_on_its_own_values():
         assert sorted(rest) == ["", ".__closure__", ".__closure__[k]", ".__closure__[k].cell_contents",
                                 ".__code__"], (hook, rest)
     assert ".names[" not in text and ".ready_position[" not in text
+    # a model without buffers has none to broadcast (as torch DDP): its forward does not
+    # look for them in every module, which Dynamo would guard module by module
+    assert "named_modules" not in text and "._buffers" not in text, text
 
 
 class _WithEmptyParameter(torch.nn.Module):

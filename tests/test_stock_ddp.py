@@ -25,7 +25,8 @@ def enabled(fake_pg):
         yield
 
 
-def test_torch_ddp_built_with_the_flag_is_fused_in_one_compiled_backward(fake_pg, monkeypatch, tmp_path):
+def test_torch_ddp_built_with_the_flag_is_fused_in_one_compiled_backward(fake_pg, monkeypatch, tmp_path,
+                                                                          dynamo_guards):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the pass must run
     torch._dynamo.reset()  # before enabling: a reset also resets compiled autograd
     counters = _torch.dynamo.counters()
@@ -43,6 +44,12 @@ def test_torch_ddp_built_with_the_flag_is_fused_in_one_compiled_backward(fake_pg
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert not [k for k in fused if k.startswith("unfused")], dict(fused)
     assert counters["stats"]["unique_graphs"] == 2  # one forward, one backward graph
+    # no buffers when adopted, none broadcast (as torch DDP): the forward does not look
+    # for them in every module, which Dynamo would guard module by module (the DDP's own
+    # buffers dict is guarded once: reading its _ddp_fusion goes through Module.__getattr__)
+    text = "\n".join(dynamo_guards)
+    assert "named_modules" not in text, text
+    assert text.count("DictGetItemGuardAccessor('_buffers')") == 1, text
 
 
 def test_the_compiled_backward_keeps_upstreams_ddp_fusion_pass_off(enabled):
