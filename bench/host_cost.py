@@ -63,6 +63,7 @@ what the hooks cost when nothing of a parameter's own is guarded."""
 FLOOR = {"ddp_fusion": "compiled_autograd", "ddp_optimizer": "compiled", "eager_ddp": "compiled",
          HOOKS: "compiled_autograd", SHARED_HOOK: "compiled_autograd"}
 COMPILED_AUTOGRAD = ("ddp_fusion", "compiled_autograd", HOOKS, SHARED_HOOK)
+ALL_MODES = (*MODES, *PEERS, HOOKS, SHARED_HOOK)
 BASELINE = "ddp_fusion@baseline"
 """ddp_fusion from the checkout ``--baseline`` names (its own bench and ddp_fusion)."""
 MODELS = ("mlp_host", "mlp_params")
@@ -302,7 +303,7 @@ def over_floor(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n")[0])
     parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated, from: {','.join((*MODES, *PEERS, HOOKS, SHARED_HOOK))}")
+                        help=f"comma-separated, from: {','.join(ALL_MODES)}")
     parser.add_argument("--peers", action="store_true", help=f"add the modes {','.join(PEERS)}")
     parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
                         help="each step's optimizer.zero_grad: set_to_none=True (none) or False (zeros)")
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     modes = args.modes.split(",")
     if args.peers:
         modes += [m for m in PEERS if m not in modes]
-    bad = [m for m in modes if m not in (*MODES, *PEERS, HOOKS, SHARED_HOOK)]
+    bad = [m for m in modes if m not in ALL_MODES]
     if bad:
         parser.error(f"unknown modes {bad}")
     if args.baseline:
