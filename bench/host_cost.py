@@ -13,7 +13,10 @@ gloo's all-reduce of one rank), so the cost each mode adds over its own floor, p
 parameter, is measured here without two ranks' scheduling noise. The mode
 ``compiled_autograd_hooks`` (``--modes``) is the floor with a hook per parameter that
 reads a tag and does nothing: what the hooks alone cost; ``compiled_autograd_shared_hook``
-the same with one hook function, reading nothing, for every parameter. For each:
+the same with one hook function, reading nothing, for every parameter;
+``compiled_autograd_callback`` the floor with no parameter hook, but one hook on the loss
+that queues one callback at the end of the backward, reading every parameter's ``.grad``
+and doing nothing with it: what the same reads cost when they are not hooks. For each:
 
 * the step: the processes take turns at timing rounds (the order turning each round),
   so that a slower spell of the machine falls on both; the median of the round medians,
@@ -60,10 +63,15 @@ theirs: what per-parameter hooks cost compiled autograd and Dynamo by themselves
 SHARED_HOOK = "compiled_autograd_shared_hook"
 """The same, with one hook function for every parameter that reads nothing (no closure):
 what the hooks cost when nothing of a parameter's own is guarded."""
+CALLBACK = "compiled_autograd_callback"
+"""The floor with no parameter hook: one hook on the loss queues one callback at the end
+of the backward (compiled autograd traces it, with ``fullgraph``), which reads every
+parameter's ``.grad`` and does nothing with it: what the hooks' reads cost without a
+hook per parameter."""
 FLOOR = {"ddp_fusion": "compiled_autograd", "ddp_optimizer": "compiled", "eager_ddp": "compiled",
-         HOOKS: "compiled_autograd", SHARED_HOOK: "compiled_autograd"}
-COMPILED_AUTOGRAD = ("ddp_fusion", "compiled_autograd", HOOKS, SHARED_HOOK)
-ALL_MODES = (*MODES, *PEERS, HOOKS, SHARED_HOOK)
+         HOOKS: "compiled_autograd", SHARED_HOOK: "compiled_autograd", CALLBACK: "compiled_autograd"}
+COMPILED_AUTOGRAD = ("ddp_fusion", "compiled_autograd", HOOKS, SHARED_HOOK, CALLBACK)
+ALL_MODES = (*MODES, *PEERS, HOOKS, SHARED_HOOK, CALLBACK)
 BASELINE = "ddp_fusion@baseline"
 """ddp_fusion from the checkout ``--baseline`` names (its own bench and ddp_fusion)."""
 MODELS = ("mlp_host", "mlp_params")
@@ -129,8 +137,8 @@ def worker(mode: str, zero_grad: str, steps: int, model_name: str) -> dict[str, 
     elif mode in ("ddp_optimizer", "eager_ddp"):
         model = nn.parallel.DistributedDataParallel(net)
     else:
-        if mode in ("compiled_autograd", HOOKS, SHARED_HOOK):
-            _ca = _torch.compiled_autograd(dynamic=False)
+        if mode in ("compiled_autograd", HOOKS, SHARED_HOOK, CALLBACK):
+            _ca = _torch.compiled_autograd(dynamic=False, fullgraph=mode == CALLBACK)
             _ca.__enter__()  # for the life of the process
         if mode == HOOKS:
             for i, (name, p) in enumerate(net.named_parameters()):
@@ -141,10 +149,13 @@ def worker(mode: str, zero_grad: str, steps: int, model_name: str) -> dict[str, 
         model = Plain(net)
     loss = loss_of(model_name, model if mode == "eager_ddp" else torch.compile(model))
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    queue = _queueing_hook(list(net.parameters())) if mode == CALLBACK else None
 
     def step(backward_profiler: Any = None) -> None:
         opt.zero_grad(set_to_none=zero_grad == "none")
         out = loss(x, y)
+        if queue is not None:
+            out.register_hook(queue)
         if backward_profiler is not None:
             backward_profiler.enable_by_count()
         out.backward()
@@ -217,6 +228,23 @@ def _tag_reading_hook(tag: str) -> Any:
 
 def _shared_hook(param: Any) -> None:
     """One hook for every parameter; reads nothing and does nothing."""
+
+
+def _queueing_hook(params: list[Any]) -> Any:
+    """A hook for the loss that queues one callback at the end of the backward, which
+    reads every parameter's ``.grad`` (Dynamo guards each) and does nothing."""
+    from bench._lib import _torch
+
+    def read_grads() -> None:
+        for p in params:
+            if p.grad is None:
+                raise AssertionError("a parameter without a gradient")
+
+    def hook(grad: Any) -> Any:
+        _torch.queue_backward_callback(read_grads)
+        return grad
+
+    return hook
 
 
 def _expect(workers: dict[str, Any], mode: str, tag: str) -> str:

@@ -311,3 +311,21 @@ def test_host_cost_peers_are_each_measured_over_their_own_floor(capsys):
     with pytest.raises(SystemExit):
         host_cost.main(["--modes", "ddp_fusion,ddp_optimizr"])
     assert "ddp_optimizr" in capsys.readouterr().err
+
+
+def test_host_cost_callback_mode_reads_every_gradient_once_at_the_end_of_the_backward():
+    """``compiled_autograd_callback``'s hook on the loss queues one callback that runs
+    after every gradient is accumulated (eagerly here: the engine's final callbacks),
+    and fails where a parameter got none."""
+    from bench import host_cost
+
+    a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    loss = (a * 2).sum() + (b * 3).sum()
+    loss.register_hook(host_cost._queueing_hook([a, b]))
+    loss.backward()
+    assert a.grad.tolist() == [2.0, 2.0] and b.grad.tolist() == [3.0, 3.0]
+    c = torch.ones(2, requires_grad=True)
+    loss = (a * 2).sum()
+    loss.register_hook(host_cost._queueing_hook([a, c]))
+    with pytest.raises(AssertionError, match="without a gradient"):
+        loss.backward()

@@ -23,6 +23,7 @@ REQUIRED = (
     "torch.ops.aten._foreach_div.Tensor",
     "torch._dynamo.config.optimize_ddp",
     "torch._dynamo.compiled_autograd._enable",
+    "torch.autograd.Variable._execution_engine.queue_callback",
     "torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST",
     "torch._dynamo.trace_rules.get_legacy_mod_inlinelist",
     "torch._dynamo.utils.counters",
@@ -139,12 +140,20 @@ def restore_legacy_inlinelist() -> Iterator[None]:
             trace_rules.get_legacy_mod_inlinelist.cache_clear()
 
 
-def compiled_autograd(dynamic: bool = True) -> contextlib.AbstractContextManager[None]:
+def compiled_autograd(dynamic: bool = True,
+                      fullgraph: bool = False) -> contextlib.AbstractContextManager[None]:
     """Every ``backward()`` through compiled autograd, its graphs compiled by Inductor;
-    ``dynamic``: traced with dynamic sizes (torch's default for this context)."""
+    ``dynamic``: traced with dynamic sizes (torch's default for this context);
+    ``fullgraph``: no graph break (which :func:`queue_backward_callback` needs)."""
     from torch._dynamo import compiled_autograd as ca
 
-    return ca._enable(torch.compile(backend="inductor"), dynamic=dynamic)
+    return ca._enable(torch.compile(backend="inductor", fullgraph=fullgraph), dynamic=dynamic)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """From a hook during a backward: call ``callback`` when the backward ends (compiled
+    autograd traces it at the end of its graph)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def isolated_compile() -> contextlib.ExitStack:
