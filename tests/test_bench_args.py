@@ -313,7 +313,7 @@ def test_host_cost_peers_are_each_measured_over_their_own_floor(capsys):
     assert "ddp_optimizr" in capsys.readouterr().err
 
 
-def test_host_cost_callback_mode_reads_every_gradient_once_at_the_end_of_the_backward():
+def test_host_cost_callback_mode_reads_every_gradient_at_the_end_of_the_backward():
     """``compiled_autograd_callback``'s hook on the loss queues one callback that runs
     after every gradient is accumulated (eagerly here: the engine's final callbacks),
     and fails where a parameter got none."""
