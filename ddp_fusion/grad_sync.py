@@ -110,6 +110,13 @@ class _HookData:
     names: tuple[str, ...]
     unsynced: unused.Unsynced | None
     """``find_unused_parameters``: the no_sync() marks (unused.py); else None."""
+    params: tuple[torch.Tensor, ...] = ()
+    """The reduced parameters, in index order (read by the model's one callback)."""
+    tags: str = ""
+    """Every parameter's tag (:func:`_tag`), joined by newlines: one string, guarded once."""
+    queued: bool = False
+    """Whether this backward's callback is queued (one callback, however many of the
+    model's hooks fire; cleared by the callback and at each forward)."""
 
 
 # model id -> what its hooks read (removed with the model)
@@ -158,6 +165,55 @@ def _make_hook(model_id: int, index: int, tag: str):
         data.reducer.grad_ready(index)
 
     return reduce_grad
+
+
+def _callback_hook(model_id: int) -> Any:
+    """The post-accumulate-grad hook that queues the model's one callback for a backward
+    (:meth:`GradSync.use_callback`): the same function object for a model made again
+    with the same id, so that Dynamo's guards on it hold for that model too."""
+    hook = _callbacks.get(model_id)
+    if hook is not None:
+        return hook
+
+    def run() -> None:
+        data = _hook_data[model_id]
+        data.queued = False
+        if torch.compiler.is_compiling():
+            for param, tag in zip(data.params, data.tags.split("\n")):
+                _traced_hook(param, tag)
+            return
+        _reduce_eagerly(data)
+
+    def queue(param: torch.Tensor) -> None:
+        data = _hook_data[model_id]
+        if not data.queued:
+            data.queued = True
+            _torch.compiled_autograd.queue_callback(run)
+
+    hook = _callbacks[model_id] = queue
+    return hook
+
+
+CALLBACK_HOOKS = 8
+"""How many parameters, spread over the model, keep a hook that queues its callback."""
+
+# model id -> its callback's hook (kept for a model made again with the same id)
+_callbacks: dict[int, Any] = {}
+
+
+def _reduce_eagerly(data: _HookData) -> None:
+    """The callback outside compiled autograd (a backward it does not compile): every
+    parameter with a gradient to the eager bucketed reducer, at the end of the backward
+    (no overlap), with the warning a per-parameter hook gives there."""
+    state = data.state
+    warned = False
+    for index, param in enumerate(data.params):
+        if _not_syncing(data, param, index) or param.grad is None:
+            continue
+        if not warned and config.enabled and (state.compiled or state.compiled_while_disabled):
+            _warn_unfused(state)
+            warned = True
+        data.reducer.grad_ready(index)
 
 
 def _tag(model_id: int, index: int, name: str, state: SyncState) -> str:
@@ -293,6 +349,7 @@ def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
         state.compiled_while_disabled = True
         return
     state.compiled = True
+    sync.use_callback()
     if traced and _has_dynamic_shapes(inputs):
         effects.want(effects.DYNAMIC_BACKWARD)  # before: compiled autograd starts dynamic
     effects.want(effects.COMPILED_AUTOGRAD)
@@ -628,6 +685,12 @@ class GradSync:
                       for i in range(len(params))]
         self.handles = [p.register_post_accumulate_grad_hook(hook)
                         for (_, p), hook in zip(params, self.hooks)]
+        data.params = tuple(p for _, p in params)
+        self.data = data
+        self.callback = False
+        """Whether the model reduces from one callback per backward (:meth:`use_callback`)
+        rather than a hook per parameter."""
+        self._set_tags()
         me = weakref.ref(model)
         for _, p in params:
             _models[p] = me
@@ -682,6 +745,42 @@ class GradSync:
         for i, hook in enumerate(self.hooks):
             cell = hook.__closure__[hook.__code__.co_freevars.index("tag")]
             cell.cell_contents = _tag(self.model_id, i, self.names[i], self.state)
+        self._set_tags()
+
+    def _set_tags(self) -> None:
+        self.data.tags = "\n".join(_tag(self.model_id, i, self.names[i], self.state)
+                                    for i in range(len(self.names)))
+
+    def use_callback(self) -> None:
+        """At the first compiled forward: reduce from one callback per backward instead of
+        a hook per parameter.
+
+        Compiled autograd traces every hook a backward runs into its graph, and Dynamo
+        guards each of them at every backward (its code and what it reads): a hook per
+        parameter costs ~2 µs per parameter a step, which a compiled step should pay per
+        bucket. So a few parameters spread over the model (:data:`CALLBACK_HOOKS`) keep a
+        hook, and the first of them to fire in a backward queues the model's callback,
+        which runs when the backward ends, after every gradient is accumulated, and
+        makes each parameter's tagged all-reduce there (:func:`_traced_hook`). The pass
+        still issues each bucket as soon as its last gradient is made, not where the
+        callback runs (passes/__init__.py): the overlap is that of a hook per parameter.
+
+        A parameter without a gradient in a backward whose other parameters have one is
+        what ``find_unused_parameters`` is for (eager DDP raises without it): with the
+        flag, the hook per parameter stays, since whether a kept ``.grad`` was made in
+        this backward is what a parameter's own hook tells. Without it, the callback is
+        lost only if every hooked parameter has no gradient on every rank while others
+        have one (on some ranks only: ``PlanMismatchError`` as before)."""
+        if self.callback or self.layout is not None:
+            return
+        hook = _callback_hook(self.model_id)
+        for h in self.handles:
+            h.remove()
+        n = len(self.params)
+        k = min(n, CALLBACK_HOOKS)
+        spread = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
+        self.handles[:] = [self.params[i][1].register_post_accumulate_grad_hook(hook) for i in spread]
+        self.callback = True
 
     def link(self) -> tuple[autocap.Link, bool] | str | None:
         """For ``auto``: the link to plan for (``config.link`` if set, else the one
@@ -756,6 +855,8 @@ class GradSync:
         if traced:
             _torch.dynamo.guard_requires_grad(p for _, p in self.frozen)
         _torch.dynamo.call_with_example_inputs(_on_forward, (self.model_id, traced), args, kwargs)
+        if self.callback:  # (read after _on_forward, which may have just set it)
+            self.data.queued = False  # (a backward that raised left it set)
         if state.failed is not None:
             # raised where the forward runs, not inside Dynamo's trace (where it would
             # reach the user wrapped in an InternalTorchDynamoError): compiled, reading

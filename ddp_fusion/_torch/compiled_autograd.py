@@ -22,6 +22,8 @@ REQUIRED = (
     "torch._dynamo.compiled_autograd.depth",
     "torch._dynamo.compiled_autograd.maybe_clone",
     "torch._dynamo.compiled_autograd._disable",
+    "torch.autograd.Variable._execution_engine.queue_callback",
+    "torch._dynamo.error_on_graph_break",
 )
 
 UNCHECKED: dict[str, str] = {}
@@ -125,6 +127,15 @@ def disabled() -> AbstractContextManager[None]:
     from torch._dynamo import compiled_autograd
 
     return compiled_autograd._disable()
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """From a hook during a backward: call ``callback`` when the backward ends. Compiled
+    autograd traces it at the end of its graph. Dynamo traces the call only where a graph
+    break would raise (it asserts so), which the block says for this call alone, whether
+    or not the backward is compiled with ``fullgraph=True``."""
+    with torch._dynamo.error_on_graph_break(True):
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def allow_dtensor_post_accumulate_grad_hooks(patches: patching.Patches) -> None:
