@@ -1,11 +1,13 @@
 """``GradSync``: the gradient machinery of one data-parallel model.
 
 Shared by the wrapper (wrapper.py) and a torch DDP adopted under the flag (stock.py).
-Each parameter gets a post-accumulate-grad hook. Traced by compiled autograd, the hook
-calls the tagged ``ddp_fusion::all_reduce_gradient`` op and makes the result the
-parameter's ``.grad``; the pass then buckets and fuses those ops as eager DDP would
-have (the results become views of the reduced buckets). Run eagerly, the hook hands the
-gradient to the eager bucketed reducer (reducer.py).
+Each parameter gets a post-accumulate-grad hook; from the model's first compiled
+forward on, one callback per backward does their work (:meth:`GradSync.use_callback`).
+Traced by compiled autograd, the hook (the callback, for each parameter) calls the
+tagged ``ddp_fusion::all_reduce_gradient`` op and makes the result the parameter's
+``.grad``; the pass then buckets and fuses those ops as eager DDP would have (the
+results become views of the reduced buckets). Run eagerly, the hook hands the gradient
+to the eager bucketed reducer (reducer.py).
 
 Around each forward (:meth:`GradSync.before_forward`): buffers are broadcast as torch
 DDP does, and inside an enabled ``join()`` context join.py's prelude runs. The first

@@ -516,8 +516,8 @@ def test_a_compiled_model_reduces_every_gradient_from_one_callback_per_backward(
     few parameters, not from a hook per parameter (issue 61): here the first and the
     last of 8 (``CALLBACK_HOOKS`` = 2), the first without a gradient. Every gradient is
     reduced, as the fake group reduces it (its average halves them), whether ``.grad``
-    starts empty or kept; the unused parameters' stay as they were. A lost callback would
-    leave them whole."""
+    starts empty or kept; the unused parameters' stay as they were, and are not in a
+    bucket. A lost callback would leave the gradients whole."""
     monkeypatch.setattr(grad_sync, "CALLBACK_HOOKS", 2)
     torch._dynamo.reset()
     counters.clear()
@@ -545,4 +545,7 @@ def test_a_compiled_model_reduces_every_gradient_from_one_callback_per_backward(
     torch._dynamo.reset()
     assert ddp._sync.callback and len(ddp._sync.handles) == 2
     assert counters["ddp_fusion"]["fused_all_reduces"] >= 6, dict(counters["ddp_fusion"])
+    # the callback reads the unused layer's kept .grads too; the pass leaves them out of
+    # the buckets, as a hook per parameter would not have fired for them
+    assert counters["ddp_fusion"]["kept .grads not written"] == (2 if grads_before else 0)
     assert not [k for k in counters["ddp_fusion"] if k.startswith("unfused")], dict(counters["ddp_fusion"])

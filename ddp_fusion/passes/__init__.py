@@ -52,7 +52,7 @@ from . import absent
 from ._graph import NodeMaker
 from .bucketing import Bucket, plan_buckets, to_plan
 from .coalesced import fuse_coalesced
-from .collectives import Unfused, find_gradient_all_reduces, op_args
+from .collectives import Unfused, drop_unwritten_kept_grads, find_gradient_all_reduces, op_args
 from .concat import fuse_concat
 from .guard import group_plans, insert_plan_guards, place_guards
 from .in_place import fuse_in_place, kept_grads
@@ -113,6 +113,12 @@ def fuse_ddp_allreduces(
     schedule_waits = config.schedule_waits if schedule_waits is None else schedule_waits
     dump_dir = config.dump_dir if dump_dir is None else dump_dir
 
+    dropped = drop_unwritten_kept_grads(graph)
+    if dropped:
+        _torch.dynamo.counters()["ddp_fusion"]["kept .grads not written"] += len(dropped)
+        log.info("ddp_fusion: %d kept .grad(s) this backward did not write are not reduced "
+                 "(no gradient: as a hook per parameter would not fire): %s", len(dropped),
+                 ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else ""))
     grads, unfused = find_gradient_all_reduces(graph)
     _report_unfused(unfused)
     # an unfused all-reduce whose group is known is checked too: part of its group's

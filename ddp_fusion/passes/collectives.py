@@ -124,6 +124,32 @@ def find_gradient_all_reduces(
     return found, unfused
 
 
+def drop_unwritten_kept_grads(graph: torch.fx.Graph) -> list[str]:
+    """Remove the tagged all-reduces of kept ``.grad``s that this backward did not write,
+    and return their parameters' names.
+
+    A compiled model's callback (grad_sync.py) reads every parameter's ``.grad`` when the
+    backward ends, where a hook per parameter fired only for the gradients the backward
+    made. A kept ``.grad`` the backward did not write is a graph input that its tagged
+    all-reduce reads and whose result is copied back into it: it is not reduced, as its
+    hook would not have fired (torch DDP without ``find_unused_parameters`` raises
+    there; a parameter without a gradient on some ranks only still makes their plans
+    differ, ``PlanMismatchError``). Only a model's calls (``model_id`` set): code that
+    calls ``all_reduce_gradient`` on a graph input itself gets it reduced."""
+    dropped = []
+    for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=True):
+        grad, *_, name, _, _, model_id = op_args(node)
+        users = list(node.users)
+        if (model_id < 0 or not isinstance(grad, torch.fx.Node) or grad.op != "placeholder"
+                or len(users) != 1 or users[0].target is not torch.ops.aten.copy_.default
+                or users[0].args != (grad, node) or users[0].users):
+            continue
+        graph.erase_node(users[0])
+        graph.erase_node(node)
+        dropped.append(name or grad.name)
+    return dropped
+
+
 def is_identity(order: tuple[int, ...]) -> bool:
     return all(i == d for i, d in enumerate(order))
 
