@@ -208,13 +208,11 @@ def _reduce_eagerly(data: _HookData) -> None:
     parameter with a gradient to the eager bucketed reducer, at the end of the backward
     (no overlap), with the warning a per-parameter hook gives there."""
     state = data.state
-    warned = False
     for index, param in enumerate(data.params):
         if _not_syncing(data, param, index) or param.grad is None:
             continue
-        if not warned and config.enabled and (state.compiled or state.compiled_while_disabled):
-            _warn_unfused(state)
-            warned = True
+        if config.enabled and (state.compiled or state.compiled_while_disabled):
+            _warn_unfused(state)  # (counted per gradient, said once)
         data.reducer.grad_ready(index)
 
 
