@@ -137,14 +137,17 @@ def drop_unwritten_kept_grads(graph: torch.fx.Graph) -> list[str]:
     differ, ``PlanMismatchError``). Only a model's calls (``model_id`` set): code that
     calls ``all_reduce_gradient`` on a graph input itself gets it reduced."""
     dropped = []
-    for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=True):
-        grad, *_, name, _, _, model_id = op_args(node)
-        users = list(node.users)
-        if (model_id < 0 or not isinstance(grad, torch.fx.Node) or grad.op != "placeholder"
-                or len(users) != 1 or users[0].target is not torch.ops.aten.copy_.default
-                or users[0].args != (grad, node) or users[0].users):
+    for node in graph.find_nodes(op="call_function", target=ALL_REDUCE_GRADIENT, sort=False):
+        grad = node.args[0]
+        if not isinstance(grad, torch.fx.Node) or grad.op != "placeholder" or len(node.users) != 1:
             continue
-        graph.erase_node(users[0])
+        (copy,) = node.users
+        if copy.target is not torch.ops.aten.copy_.default or copy.args != (grad, node) or copy.users:
+            continue
+        *_, name, _, _, model_id = op_args(node)
+        if model_id < 0:
+            continue
+        graph.erase_node(copy)
         graph.erase_node(node)
         dropped.append(name or grad.name)
     return dropped
