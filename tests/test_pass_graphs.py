@@ -1176,3 +1176,35 @@ def test_plan_check_keeps_the_value_its_ranks_agreed_on(caplog, monkeypatch):
     gm = trace(small_backward, *inputs())
     fuse(gm)
     FileCheck().check("plan_start").check_not("plan_guard").run(gm.code)
+
+
+def _unwritten_backward(model_id):
+    """``kept_backward``'s w2, and a kept ``.grad`` that the backward did not write, read
+    and copied back as a model's callback does (or code calling the op itself does)."""
+
+    def fn(x, w1, w2, grad1, grad2):
+        h = x @ w1
+        grad2.copy_(ddp_fusion.all_reduce_gradient(grad2 + h.t() @ x, name="w2"))
+        grad1.copy_(ALL_REDUCE_GRADIENT(grad1, "0", "avg", [1048576], "w1", None, -1, model_id))
+        return grad1, grad2
+
+    return fn
+
+
+@pytest.mark.usefixtures("fake_pg")
+@pytest.mark.parametrize("model_id", [7, -1])
+def test_a_models_kept_grad_the_backward_did_not_write_is_not_reduced(model_id):
+    """A compiled model's callback reads every kept ``.grad``, written by this backward or
+    not (grad_sync.py); the pass leaves out those it did not write (the op reads a graph
+    input and is copied back into it), as a hook per parameter would not have fired
+    for them. Code calling the op itself on a graph input (no model) gets it reduced."""
+    x, w1, w2 = inputs()
+    gm = trace(_unwritten_backward(model_id), x, w1, w2, torch.zeros(5), torch.zeros(5, 3))
+    result = fuse(gm)
+    names = [n for b in result.plan.buckets for n in b.grads]
+    code = gm.code
+    if model_id >= 0:
+        assert names == ["w2"], names
+        FileCheck().check_count("aten.copy_.default(grad1", 0, exactly=True).run(code)
+    else:
+        assert sorted(names) == ["w1", "w2"], names

@@ -142,11 +142,12 @@ def drop_unwritten_kept_grads(graph: torch.fx.Graph) -> list[str]:
         if not isinstance(grad, torch.fx.Node) or grad.op != "placeholder" or len(node.users) != 1:
             continue
         (copy,) = node.users
-        if copy.target is not torch.ops.aten.copy_.default or copy.args != (grad, node) or copy.users:
+        if copy.target is not torch.ops.aten.copy_.default or copy.args != (grad, node):
             continue
         *_, name, _, _, model_id = op_args(node)
         if model_id < 0:
             continue
+        copy.replace_all_uses_with(grad)  # (copy_ returns its destination)
         graph.erase_node(copy)
         graph.erase_node(node)
         dropped.append(name or grad.name)
