@@ -776,6 +776,8 @@ class GradSync:
         hook = _callback_hook(self.model_id)
         for h in self.handles:
             h.remove()
+        for _, p in self.params:
+            _torch.compiled_autograd.drop_empty_post_accumulate_grad_hooks(p)
         n = len(self.params)
         k = min(n, CALLBACK_HOOKS)
         spread = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})

@@ -26,7 +26,10 @@ REQUIRED = (
     "torch._dynamo.error_on_graph_break",
 )
 
-UNCHECKED: dict[str, str] = {}
+UNCHECKED: dict[str, str] = {
+    "_post_accumulate_grad_hooks": "a tensor's post-accumulate-grad hooks (None: none); set to "
+                                   "None only where torch's own handles left it empty",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +139,15 @@ def queue_callback(callback: Callable[[], None]) -> None:
     or not the backward is compiled with ``fullgraph=True``."""
     with torch._dynamo.error_on_graph_break(True):
         torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def drop_empty_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Where every post-accumulate-grad hook of ``param`` was removed: no hooks at all.
+    torch leaves an empty table in place, and a hook object on the gradient's
+    accumulation that compiled autograd still visits at every backward."""
+    hooks = param._post_accumulate_grad_hooks
+    if hooks is not None and not hooks:
+        param._post_accumulate_grad_hooks = None
 
 
 def allow_dtensor_post_accumulate_grad_hooks(patches: patching.Patches) -> None:
