@@ -24,6 +24,8 @@ FILES = sorted(p for p in [*BENCH.glob("*.py"), *BENCH.glob("_lib/*.py")] if p !
 # private attributes of objects that bench reads outside the shim, and why
 ALLOWED_ATTRIBUTES = {
     "_buffer": "ddp_fusion's eager reducer bucket, read without allocating it (profiling.held_bytes)",
+    "_sync": "ddp_fusion's GradSync of a wrapper (not torch's): bench.callback_ab keeps one model "
+             "on a hook per parameter and checks which design each model runs",
 }
 
 
