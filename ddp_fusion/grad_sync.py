@@ -158,15 +158,20 @@ def _make_hook(model_id: int, index: int, tag: str):
         if torch.compiler.is_compiling():
             _traced_hook(param, tag)
             return
-        data = _hook_data[model_id]
-        state = data.state
-        if _not_syncing(data, param, index) or param.grad is None:
-            return
-        if config.enabled and (state.compiled or state.compiled_while_disabled or not state.forwarded):
-            _warn_unfused(state)
-        data.reducer.grad_ready(index)
+        _ready_eagerly(_hook_data[model_id], param, index)
 
     return reduce_grad
+
+
+def _ready_eagerly(data: _HookData, param: torch.Tensor, index: int) -> None:
+    """A gradient to the eager bucketed reducer (a backward compiled autograd does not
+    compile), with the warning that a model meant to run fused gets there."""
+    state = data.state
+    if _not_syncing(data, param, index) or param.grad is None:
+        return
+    if config.enabled and (state.compiled or state.compiled_while_disabled or not state.forwarded):
+        _warn_unfused(state)  # (counted per gradient, said once)
+    data.reducer.grad_ready(index)
 
 
 def _callback_hook(model_id: int) -> Any:
@@ -184,7 +189,8 @@ def _callback_hook(model_id: int) -> Any:
             for param, tag in zip(data.params, data.tags.split("\n")):
                 _traced_hook(param, tag)
             return
-        _reduce_eagerly(data)
+        for index, param in enumerate(data.params):
+            _ready_eagerly(data, param, index)
 
     def queue(param: torch.Tensor) -> None:
         data = _hook_data[model_id]
@@ -197,23 +203,10 @@ def _callback_hook(model_id: int) -> Any:
 
 
 CALLBACK_HOOKS = 8
-"""How many parameters, spread over the model, keep a hook that queues its callback."""
+"""How many parameters keep a hook that queues the model's callback (:meth:`GradSync._callback_params`)."""
 
 # model id -> its callback's hook (kept for a model made again with the same id)
 _callbacks: dict[int, Any] = {}
-
-
-def _reduce_eagerly(data: _HookData) -> None:
-    """The callback outside compiled autograd (a backward it does not compile): every
-    parameter with a gradient to the eager bucketed reducer, at the end of the backward
-    (no overlap), with the warning a per-parameter hook gives there."""
-    state = data.state
-    for index, param in enumerate(data.params):
-        if _not_syncing(data, param, index) or param.grad is None:
-            continue
-        if config.enabled and (state.compiled or state.compiled_while_disabled):
-            _warn_unfused(state)  # (counted per gradient, said once)
-        data.reducer.grad_ready(index)
 
 
 def _tag(model_id: int, index: int, name: str, state: SyncState) -> str:
@@ -349,12 +342,12 @@ def _first_forward_checks(sync: GradSync, traced: bool, inputs: Any) -> None:
         state.compiled_while_disabled = True
         return
     state.compiled = True
-    sync.use_callback()
     if traced and _has_dynamic_shapes(inputs):
         effects.want(effects.DYNAMIC_BACKWARD)  # before: compiled autograd starts dynamic
     effects.want(effects.COMPILED_AUTOGRAD)
     if not state.ready_learned and torch.is_grad_enabled():
         _learn_ready_order(sync, inputs)
+    sync.use_callback()  # (after the order is learned: it picks the hooked parameters)
     if traced and state.ready_learned:  # (at trace time only: eager forwards come here each step)
         _learned[sync.model_id] = _Learned(
             state.ready_position, state.ready_failed, tuple(sync.limits), sync.sizing,
@@ -681,16 +674,17 @@ class GradSync:
         orders = register_element_orders(self.model_id, params)
         data = _hook_data[self.model_id] = _HookData(self.state, self.reducer, group.group_name, limits,
                                                      tuple(self.names), unsynced)
-        self.hooks = [_make_hook(self.model_id, i, _tag(self.model_id, i, self.names[i], self.state))
-                      for i in range(len(params))]
-        self.handles = [p.register_post_accumulate_grad_hook(hook)
-                        for (_, p), hook in zip(params, self.hooks)]
         data.params = tuple(p for _, p in params)
         self.data = data
+        self.hooks = [_make_hook(self.model_id, i, tag) for i, tag in enumerate(self._set_tags())]
+        self.handles = [p.register_post_accumulate_grad_hook(hook)
+                        for (_, p), hook in zip(params, self.hooks)]
         self.callback = False
         """Whether the model reduces from one callback per backward (:meth:`use_callback`)
         rather than a hook per parameter."""
-        self._set_tags()
+        self.hooked: tuple[int, ...] = ()
+        """With the callback: the parameters whose hooks queue it (indices)."""
+        self._hooked_by: tuple[int, ...] | None = None  # the ready order they were picked by
         me = weakref.ref(model)
         for _, p in params:
             _models[p] = me
@@ -742,14 +736,15 @@ class GradSync:
     def retag(self) -> None:
         """Set each hook's tag again from the model's state (after the ready order is
         learned): the next backward's guards see the change and recompile it."""
-        for i, hook in enumerate(self.hooks):
-            cell = hook.__closure__[hook.__code__.co_freevars.index("tag")]
-            cell.cell_contents = _tag(self.model_id, i, self.names[i], self.state)
-        self._set_tags()
+        tags = self._set_tags()
+        for hook, tag in zip(self.hooks, tags):
+            hook.__closure__[hook.__code__.co_freevars.index("tag")].cell_contents = tag
 
-    def _set_tags(self) -> None:
-        self.data.tags = "\n".join(_tag(self.model_id, i, self.names[i], self.state)
-                                    for i in range(len(self.names)))
+    def _set_tags(self) -> list[str]:
+        """Every parameter's tag, joined into the one string the callback reads."""
+        tags = [_tag(self.model_id, i, name, self.state) for i, name in enumerate(self.names)]
+        self.data.tags = "\n".join(tags)
+        return tags
 
     def use_callback(self) -> None:
         """At the first compiled forward: reduce from one callback per backward instead of
@@ -758,8 +753,8 @@ class GradSync:
         Compiled autograd traces every hook a backward runs into its graph, and Dynamo
         guards each of them at every backward (its code and what it reads): a hook per
         parameter costs ~2 µs per parameter a step, which a compiled step should pay per
-        bucket. So a few parameters spread over the model (:data:`CALLBACK_HOOKS`) keep a
-        hook, and the first of them to fire in a backward queues the model's callback,
+        bucket. So a few parameters (:data:`CALLBACK_HOOKS`, :meth:`_callback_params`) keep
+        a hook, and the first of them to fire in a backward queues the model's callback,
         which runs when the backward ends, after every gradient is accumulated, and
         makes each parameter's tagged all-reduce there (:func:`_traced_hook`). The pass
         still issues each bucket as soon as its last gradient is made, not where the
@@ -770,19 +765,40 @@ class GradSync:
         flag, the hook per parameter stays, since whether a kept ``.grad`` was made in
         this backward is what a parameter's own hook tells. Without it, the callback is
         lost only if every hooked parameter has no gradient on every rank while others
-        have one (on some ranks only: ``PlanMismatchError`` as before)."""
-        if self.callback or self.layout is not None:
+        have one (on some ranks only: ``PlanMismatchError`` as before).
+
+        Called again once the ready order is learned (a first compiled forward without
+        grad learns none), before any backward of it is compiled: the hooks move to the
+        parameters that order puts first."""
+        position = self.state.ready_position
+        if self.layout is not None or (self.callback and position is self._hooked_by):
+            return  # (an eager forward around compiled submodules comes here each step)
+        self._hooked_by = position
+        chosen = self._callback_params()
+        if self.callback and chosen == self.hooked:
             return
         hook = _callback_hook(self.model_id)
         for h in self.handles:
             h.remove()
         for _, p in self.params:
             _torch.compiled_autograd.drop_empty_post_accumulate_grad_hooks(p)
+        self.handles[:] = [self.params[i][1].register_post_accumulate_grad_hook(hook) for i in chosen]
+        self.hooked = chosen
+        self.callback = True
+
+    def _callback_params(self) -> tuple[int, ...]:
+        """Which parameters keep the hook that queues the callback: half of
+        :data:`CALLBACK_HOOKS` the first in the learned ready order (the first gradients
+        the fake backward made, so parameters that got one: a submodule the forward
+        never calls cannot hold them all), the rest spread over the model in index
+        order (a part used only in some steps); spread alone while no order is known."""
         n = len(self.params)
         k = min(n, CALLBACK_HOOKS)
-        spread = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
-        self.handles[:] = [self.params[i][1].register_post_accumulate_grad_hook(hook) for i in spread]
-        self.callback = True
+        position = self.state.ready_position
+        first = sorted(range(n), key=position.__getitem__)[:k // 2] if position is not None else []
+        m = k - len(first)
+        spread = (round(i * (n - 1) / max(m - 1, 1)) for i in range(m))
+        return tuple(sorted({*first, *spread}))
 
     def link(self) -> tuple[autocap.Link, bool] | str | None:
         """For ``auto``: the link to plan for (``config.link`` if set, else the one

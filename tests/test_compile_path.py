@@ -510,22 +510,36 @@ class _FirstUnused(torch.nn.Module):
         return self.net(x)
 
 
-@pytest.mark.parametrize("grads_before", [None, "zeros"])
-def test_a_compiled_model_reduces_every_gradient_from_one_callback_per_backward(monkeypatch, grads_before):
+class _EndsUnused(_FirstUnused):
+    """``_FirstUnused`` with a second unused layer after ``mlp()``: the first and the
+    last parameters get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused_last = torch.nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("model_class, grads_before", [
+    (_FirstUnused, None), (_FirstUnused, "zeros"), (_EndsUnused, None),
+])
+def test_a_compiled_model_reduces_every_gradient_from_one_callback_per_backward(
+        monkeypatch, model_class, grads_before):
     """A compiled model reduces from one callback per backward, queued by the hooks of a
-    few parameters, not from a hook per parameter (issue 61): here the first and the
-    last of 8 (``CALLBACK_HOOKS`` = 2), the first without a gradient. Every gradient is
-    reduced, as the fake group reduces it (its average halves them), whether ``.grad``
-    starts empty or kept; the unused parameters' stay as they were, and are not in a
-    bucket. A lost callback would leave the gradients whole."""
+    few parameters, not from a hook per parameter (issue 61): here 2 (``CALLBACK_HOOKS``),
+    the first in the learned ready order and the first in the model, which gets no
+    gradient. Every gradient is reduced, as the fake group reduces it (its average halves
+    them), whether ``.grad`` starts empty or kept; the unused parameters' stay as they
+    were, and are not in a bucket. A lost callback would leave the gradients whole: as
+    hooks spread over the model in index order alone left them with ``_EndsUnused``,
+    whose first and last parameters get no gradient."""
     monkeypatch.setattr(grad_sync, "CALLBACK_HOOKS", 2)
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(1)
     batches = [torch.randn(16, 32) for _ in range(2)]
-    plain = _FirstUnused()
+    plain = model_class()
     with ddp_fusion.config.patch(enabled=True), torch._inductor.config.patch(fx_graph_cache=False):
-        module = _FirstUnused()
+        module = model_class()
         if grads_before == "zeros":
             for p in module.parameters():
                 p.grad = torch.zeros_like(p)
